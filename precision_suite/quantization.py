@@ -1,0 +1,129 @@
+"""Quantize-dequantize: the one place where scale rules and element rounding live.
+
+Everything is exact float32 arithmetic in torch (no float8 casts), so it behaves the same on
+every torch release and device and can be checked bit for bit against ml_dtypes.
+
+Non-finite inputs: NaN and +-Inf do not take part in a block's amax (they would wipe out the
+whole block); NaN stays NaN and +-Inf saturates to +-max times the block scale. metrics.py counts
+both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from precision_suite.formats import E4M3, ElementType, Format, get_format
+from precision_suite.layouts import Layout, as_2d, from_blocks, parse_layout, to_blocks
+
+# Floor of an "amax" scale: the smallest normal float32, so an all-zero block gets a finite scale.
+TINY_SCALE = 2.0**-126
+_F32_EXP_MASK = 0x7F800000
+_F32_MAN_BITS = 23
+
+
+def round_to_element(y: torch.Tensor, element: ElementType) -> torch.Tensor:
+    """Round float32 `y` (already within +-element.max) to the nearest element, ties to even."""
+    if element.emin - element.man_bits >= -126:
+        # The element's quantum at y's binade, floored at the subnormal quantum, is a normal float32:
+        # y / quantum is exact and torch.round rounds half to even.
+        exp_bits = (y.view(torch.int32) & _F32_EXP_MASK).clamp(min=(element.emin + 127) << 23)
+        quantum = (exp_bits - (element.man_bits << 23)).view(torch.float32)
+        return torch.round(y / quantum) * quantum
+    # Same exponent range as float32 (bf16): round the bit pattern, the subnormals included.
+    shift = _F32_MAN_BITS - element.man_bits
+    bits = y.view(torch.int32)
+    bits = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)
+    return bits.view(torch.float32)
+
+
+def _finite_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-block max |x| over finite elements, shape (n_block_rows, 1, n_block_cols, 1)."""
+    return torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=(1, 3), keepdim=True)
+
+
+def block_scales(amax: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> torch.Tensor:
+    """The float32 scale of each block from its amax, by the format's scale rule."""
+    element = fmt.element
+    if fmt.scale_rule == "none":
+        return torch.ones_like(amax)
+    if fmt.scale_rule == "amax":
+        scale = torch.clamp(amax / element.max, min=TINY_SCALE)
+        if pow2_scale:  # round up to a power of two, so no element can exceed max
+            mantissa, exponent = torch.frexp(scale)
+            scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+        return scale
+    if fmt.scale_rule == "e8m0":
+        # OCP MX v1.0 section 6.3: X = 2**(floor(log2(amax)) - emax_elem), E8M0 range [-127, 127].
+        _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1)
+        shared = torch.clamp(exponent - 1 - element.emax, -127, 127)
+        return torch.ldexp(torch.ones_like(amax), shared)
+    if fmt.scale_rule == "nvfp4":
+        # FP32 tensor scale maps the tensor amax onto max(E2M1) * max(E4M3); the E4M3 block scale
+        # then covers each block's amax / max(E2M1).
+        tensor_scale = torch.clamp(amax.amax() / (element.max * E4M3.max), min=TINY_SCALE)
+        wanted = torch.clamp(amax / element.max / tensor_scale, max=E4M3.max)
+        return round_to_element(wanted, E4M3) * tensor_scale
+    raise ValueError(f"format {fmt.name!r}: unknown scale rule {fmt.scale_rule!r}")
+
+
+def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize-dequantize float32 blocks `(nbr, r, nbc, c)`.
+
+    Returns `(dequantized, scales, scaled)` where `scaled = x / s` before saturation (metrics use it
+    to count overflow). A zero scale (an NVFP4 block scale that underflowed E4M3) flushes its block:
+    dividing by an infinite stand-in scale sends every finite element to zero.
+    """
+    scales = block_scales(_finite_amax(blocks), fmt, pow2_scale)
+    scaled = blocks / torch.where(scales > 0, scales, torch.inf)
+    element = fmt.element
+    q = round_to_element(scaled.clamp(-element.max, element.max), element)
+    return q * scales, scales, scaled
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantize-dequantize result.
+
+    dequantized: same shape and dtype as the input.
+    scales: float32, one per block, shape (n_block_rows, n_block_cols) over the 2-D view
+      (for NVFP4 the effective scale: E4M3 block scale times the FP32 tensor scale).
+    """
+
+    dequantized: torch.Tensor
+    scales: torch.Tensor
+    fmt: Format
+    layout: Layout
+
+
+def check_tensor(x: object, name: str = "x") -> torch.Tensor:
+    """Reject what cannot be quantized with a message that says how to fix it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}; convert it with {name}.float()")
+    return x
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format = "e4m3",
+    layout: object = (1, 128),
+    pow2_scale: bool = False,
+) -> Quantized:
+    """Quantize-dequantize `x` with format `fmt` and scaling layout `layout`.
+
+    The arithmetic runs in float32 (float64 inputs are rounded to float32 first) and the result is
+    cast back to `x.dtype`. An empty tensor returns an empty result with no scales.
+    """
+    x = check_tensor(x)
+    f = get_format(fmt)
+    lay = parse_layout(layout, f)
+    if x.numel() == 0:
+        return Quantized(x.clone(), torch.empty(0, 0, dtype=torch.float32, device=x.device), f, lay)
+    x2d = as_2d(x.float())
+    dequantized, scales, _ = qdq_blocks(to_blocks(x2d, lay), f, pow2_scale)
+    rows, cols = x2d.shape
+    out = from_blocks(dequantized, rows, cols).reshape(x.shape).to(x.dtype)
+    return Quantized(out, scales.reshape(scales.shape[0], scales.shape[2]), f, lay)

@@ -1,0 +1,141 @@
+"""Bit-exact agreement with an independent oracle: ml_dtypes casts with block scaling in numpy.
+
+The oracle re-derives each scale rule from ../shared/SCIENCE.md and the OCP MX spec in numpy and
+lets ml_dtypes round the elements, so no code is shared with precision_suite.quantization.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from precision_suite import quantize
+from precision_suite import strategies as pst
+
+F32 = np.float32
+FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def _blocks(x: np.ndarray, layout) -> tuple[np.ndarray, tuple[int, int]]:
+    rows, cols = x.shape
+    r, c = (rows, cols) if layout == "tensor" else layout
+    padded = np.zeros((-(-rows // r) * r, -(-cols // c) * c), dtype=F32)
+    padded[:rows, :cols] = x
+    return padded.reshape(padded.shape[0] // r, r, padded.shape[1] // c, c), (rows, cols)
+
+
+def _unblock(b: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    return b.reshape(b.shape[0] * b.shape[1], -1)[: shape[0], : shape[1]]
+
+
+def _cast(y: np.ndarray, dtype, fmax: float) -> np.ndarray:
+    # ml_dtypes returns NaN past the max; saturating quantizers clamp first.
+    return np.clip(y, -fmax, fmax).astype(dtype).astype(F32)
+
+
+def oracle_fp8(x: np.ndarray, fmt: str, layout) -> np.ndarray:
+    dtype, fmax = FP8[fmt]
+    b, shape = _blocks(x, layout)
+    amax = np.abs(b).max(axis=(1, 3), keepdims=True)
+    s = np.maximum(amax / F32(fmax), F32(2.0**-126)).astype(F32)
+    return _unblock(_cast(b / s, dtype, fmax) * s, shape)
+
+
+def oracle_mxfp8(x: np.ndarray, layout) -> np.ndarray:
+    b, shape = _blocks(x, layout)
+    amax = np.abs(b).max(axis=(1, 3), keepdims=True)
+    # OCP MX v1.0: shared exponent floor(log2(amax)) - emax(E4M3) with emax = 8.
+    with np.errstate(divide="ignore"):
+        shared = np.where(amax > 0, np.floor(np.log2(amax.astype(np.float64))), 0) - 8
+    s = np.exp2(np.clip(shared, -127, 127)).astype(F32)
+    return _unblock(_cast(b / s, ml_dtypes.float8_e4m3fn, 448.0) * s, shape)
+
+
+def oracle_nvfp4(x: np.ndarray, layout) -> np.ndarray:
+    b, shape = _blocks(x, layout)
+    amax = np.abs(b).max(axis=(1, 3), keepdims=True)
+    tensor_scale = max(F32(amax.max()) / F32(6.0 * 448.0), F32(2.0**-126))
+    block_scale = _cast((amax / F32(6.0) / tensor_scale).astype(F32), ml_dtypes.float8_e4m3fn, 448.0)
+    s = (block_scale * tensor_scale).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(s > 0, b / np.where(s > 0, s, 1), 0).astype(F32)
+    return _unblock(_cast(y, ml_dtypes.float4_e2m1fn, 6.0) * s, shape)
+
+
+def _ours(x: np.ndarray, fmt: str, layout) -> np.ndarray:
+    return quantize(torch.from_numpy(x), fmt, layout).dequantized.numpy()
+
+
+def _assert_bits_equal(ours: np.ndarray, ref: np.ndarray) -> None:
+    mismatch = ours.view(np.uint32) != ref.view(np.uint32)
+    assert not mismatch.any(), f"{mismatch.sum()} mismatches, first at {np.argwhere(mismatch)[0]}: ours {ours[mismatch][0]!r} oracle {ref[mismatch][0]!r}"
+
+
+def _wide(seed: int, shape=(256, 384)) -> np.ndarray:
+    """Wide random data: log-uniform magnitudes over 60 binades, random signs, some zeros."""
+    rng = np.random.default_rng(seed)
+    x = rng.choice([-1.0, 1.0], size=shape) * np.exp2(rng.uniform(-30, 30, size=shape))
+    x[rng.random(shape) < 0.02] = 0.0
+    return x.astype(F32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("layout", [(1, 128), (128, 1), (128, 128), "tensor", (3, 50)])
+def test_fp8_blocks_match_oracle_on_wide_data(fmt, layout):
+    for seed in range(3):
+        x = _wide(seed)
+        _assert_bits_equal(_ours(x, fmt, layout), oracle_fp8(x, fmt, layout))
+
+
+@pytest.mark.parametrize("layout", [(1, 32), (32, 1)])
+def test_mxfp8_matches_oracle_on_wide_data(layout):
+    for seed in range(3):
+        x = _wide(seed, shape=(96, 200))  # 200 does not divide by 32: padded blocks too
+        _assert_bits_equal(_ours(x, "mxfp8", layout), oracle_mxfp8(x, layout))
+
+
+@pytest.mark.parametrize("layout", [(1, 16), (16, 1)])
+def test_nvfp4_matches_oracle_on_wide_data(layout):
+    for seed in range(3):
+        # NVFP4 spans fewer binades per tensor (E4M3 block scales): 12 binades keep most blocks alive.
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_normal((80, 100)) * np.exp2(rng.uniform(-6, 6, size=(80, 100)))).astype(F32)
+        _assert_bits_equal(_ours(x, "nvfp4", layout), oracle_nvfp4(x, layout))
+
+
+def _all_finite_values(dtype) -> np.ndarray:
+    bits = np.arange(2 ** (8 if np.dtype(dtype).itemsize == 1 else 16), dtype=np.uint8 if np.dtype(dtype).itemsize == 1 else np.uint16)
+    values = bits.view(dtype).astype(np.float32)
+    return values[np.isfinite(values)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_fp8_bit_pattern_and_every_midpoint(fmt):
+    """Each finite FP8 value, each midpoint between neighbours (ties) and its float32 neighbours,
+    in a block whose amax is the format max (scale exactly 1)."""
+    dtype, fmax = FP8[fmt]
+    grid = np.unique(_all_finite_values(dtype))
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
+    probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])
+    row = np.concatenate([probes, [F32(fmax)]]).astype(F32)[None, :]
+    ours = _ours(row, fmt, "tensor")
+    _assert_bits_equal(ours, row.astype(dtype).astype(F32))
+    assert np.array_equal(_ours(grid[None, :], fmt, "tensor"), grid[None, :]), "grid values must be fixed points"
+
+
+def test_every_bf16_bit_pattern_and_ties():
+    grid = np.unique(_all_finite_values(ml_dtypes.bfloat16))
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
+    probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])[None, :]
+    _assert_bits_equal(_ours(probes, "bf16", "tensor"), probes.astype(ml_dtypes.bfloat16).astype(F32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=pst.tensors(shape=pst.shapes(max_rows=160, max_cols=160, max_rank=2), min_log2=-140, max_log2=60),
+       fmt=st.sampled_from(["e4m3", "e5m2"]), layout=pst.layouts(max_block=40))
+def test_fp8_matches_oracle_property(x, fmt, layout):
+    _assert_bits_equal(_ours(x.numpy(), fmt, layout), oracle_fp8(x.numpy(), fmt, layout))
