@@ -38,7 +38,7 @@ SUM_FIELDS = ("numel", "nonfinite_in", "underflow", "zeros_after", "overflow", "
 METRIC_NAMES = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
 
 # Below this many elements the eager pass is fast enough and compiling would cost more than it saves.
-COMPILE_MIN_NUMEL = 1 << 20
+COMPILE_MIN_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -91,18 +91,22 @@ class QuantStats:
         }
 
 
-def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize float32 blocks and reduce to (SUM_FIELDS sums, [scale min, scale max])."""
+def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float32 blocks and reduce to (SUM_FIELDS sums, [scale min, scale max]).
+
+    `numel` and `zeros_after` still count the zero padding here; `quant_stats` takes it out, so
+    this function sees only the blocks' shape and compiles once per format and orientation.
+    """
     x_hat, scales, scaled = qdq_blocks(blocks, fmt, pow2_scale)
     finite = torch.isfinite(blocks)
     x64 = torch.where(finite, blocks, 0.0).double()
     y64 = torch.where(finite, x_hat, 0.0).double()
     zero_after = x_hat == 0
     sums = torch.stack([
-        torch.tensor(blocks.numel() - n_pad, dtype=torch.float64, device=blocks.device),
+        torch.zeros((), dtype=torch.float64, device=blocks.device),  # numel: filled in by the caller
         (~finite).sum().double(),
         ((blocks != 0) & zero_after).sum().double(),
-        zero_after.sum().double() - n_pad,  # padding is zero after too; it is not data
+        zero_after.sum().double(),
         ((scaled.abs() > fmt.element.overflow_threshold) | ~torch.isfinite(x_hat)).sum().double(),
         (x64 * y64).sum(),
         (x64 * x64).sum(),
@@ -117,16 +121,20 @@ _compile_failed = False
 
 
 def _compiled_block_sums(fmt: Format, pow2_scale: bool) -> Callable | None:
-    """A compiled `_block_sums` for this format, or None when compiling is off or unavailable."""
+    """A compiled `_block_sums` for this format, or None when compiling is off or unavailable.
+
+    Shapes are dynamic so that the many tensor shapes of a model share a few compiled kernels
+    (one per size-1 pattern, i.e. per layout orientation) instead of one per shape.
+    """
     if _compile_failed or os.environ.get("PRECISION_SUITE_COMPILE", "1") == "0":
         return None
     key = (fmt.name, pow2_scale)
     if key not in _compiled:
 
-        def block_sums(blocks: torch.Tensor, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return _block_sums(blocks, fmt, pow2_scale, n_pad)
+        def block_sums(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _block_sums(blocks, fmt, pow2_scale)
 
-        _compiled[key] = torch.compile(block_sums, dynamic=False)
+        _compiled[key] = torch.compile(block_sums, dynamic=True)
     return _compiled[key]
 
 
@@ -140,15 +148,21 @@ def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1
     lay = parse_layout(layout, f)
     x2d = as_2d(x.detach().float())
     blocks = to_blocks(x2d, lay)
-    n_pad = blocks.numel() - x2d.numel()
+    sums = scale_range = None
     compiled = _compiled_block_sums(f, pow2_scale) if x.numel() >= COMPILE_MIN_NUMEL else None
     if compiled is not None:
         try:
-            return QuantStats(*compiled(blocks, n_pad))
+            sums, scale_range = compiled(blocks)
         except Exception as err:  # no C++ compiler, unsupported device, ...: eager gives the same numbers
             _compile_failed = True
             warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); using eager metrics", stacklevel=2)
-    return QuantStats(*_block_sums(blocks, f, pow2_scale, n_pad))
+    if sums is None:
+        sums, scale_range = _block_sums(blocks, f, pow2_scale)
+    n_pad = blocks.numel() - x2d.numel()
+    # padding is zero before and after: it is not data
+    correction = torch.zeros_like(sums)
+    correction[0], correction[3] = x2d.numel(), -n_pad
+    return QuantStats(sums + correction, scale_range)
 
 
 def quant_error(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1, 128), pow2_scale: bool = False) -> dict[str, float]:

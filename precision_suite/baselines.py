@@ -1,0 +1,405 @@
+"""Golden baselines: one netCDF file per case, read and written safely, compared metric by metric.
+
+A baseline is the run dataset of `runs.run(spec)` (schema in docs/architecture.md) stored as
+`<baseline_dir>/<case>.nc`. Its attributes say what it is: `schema_version`, `case`, `spec` (JSON),
+`fingerprint` (JSON) and `package_version`. Loading checks all of them against what the caller
+expects, so a stale or foreign file fails loudly instead of passing silently.
+
+`compare` judges every metric in its own space (log for norms, absolute for fractions, relative
+change of 1 - cos for distortion, dB for SQNR, relative for loss), with one tolerance and one bad
+direction per metric from `DEFAULT_TOLERANCES`. docs/baselines.md gives the reason for each number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from precision_suite.checks import TIME_DIMS, Finding, format_where, to_python
+
+SCHEMA_VERSION = 1  # run-dataset schema this module reads and writes (docs/architecture.md)
+REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
+EXECUTION_FIELDS = ("device",)  # spec fields that do not define the case (see spec_differences)
+SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
+
+
+class BaselineError(Exception):
+    """A baseline file that cannot be used: missing, corrupt, or made for another schema or spec."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """How one metric is compared with its baseline.
+
+    space: where the difference is taken:
+      "log"                     ln(current) - ln(baseline)
+      "absolute"                current - baseline
+      "one_minus_cos_relative"  change of e = 1 - value, relative to max(e_baseline, floor)
+      "db"                      current - baseline, both already in dB
+      "relative"                (current - baseline) / max(|baseline|, floor)
+    tol: the largest accepted |difference| in that space.
+    bad: the direction of the difference that is a regression, "up" or "down" (for
+      one_minus_cos_relative it is the direction of 1 - value).
+    floor: denominator floor of the relative spaces, so a near-zero baseline cannot turn noise
+      into a huge relative change.
+    """
+
+    space: str
+    tol: float
+    bad: str
+    floor: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.space not in SPACES:
+            raise ValueError(f"Tolerance.space {self.space!r} is unknown; use one of {', '.join(SPACES)}")
+        if self.bad not in ("up", "down"):
+            raise ValueError(f"Tolerance.bad {self.bad!r} is unknown; use 'up' or 'down'")
+        if not (self.tol >= 0 and np.isfinite(self.tol)):
+            raise ValueError(f"Tolerance.tol must be a finite number >= 0, got {self.tol!r}")
+        if not (self.floor >= 0 and np.isfinite(self.floor)):
+            raise ValueError(f"Tolerance.floor must be a finite number >= 0, got {self.floor!r}")
+
+
+# The one table of defaults; docs/baselines.md explains every number. Metrics not listed here
+# (mse, accuracy) are not compared: mse scales with the tensor and duplicates sqnr_db; batch
+# accuracy moves in steps of 1/batch and duplicates loss.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "attention_norm": Tolerance("log", 0.05, "up"),
+    "underflow": Tolerance("absolute", 5e-4, "up"),
+    "zeros_after": Tolerance("absolute", 5e-4, "up"),
+    "overflow": Tolerance("absolute", 1e-4, "up"),
+    "distortion": Tolerance("one_minus_cos_relative", 0.10, "up", floor=1e-7),
+    "sqnr_db": Tolerance("db", 0.5, "down"),
+    "loss": Tolerance("relative", 0.02, "up", floor=1e-12),
+    "nonfinite": Tolerance("absolute", 0.0, "up"),
+}
+
+ToleranceOverride = Tolerance | float | int | Mapping[str, Any] | None
+ToleranceOverrides = Mapping[str, ToleranceOverride]
+
+
+def resolve_tolerances(*overrides: ToleranceOverrides | None) -> dict[str, Tolerance]:
+    """DEFAULT_TOLERANCES with each mapping of overrides applied in order (later wins).
+
+    An override value is a `Tolerance`, a number (new `tol`, same space and direction), a mapping
+    of Tolerance fields to change (e.g. {"tol": 0.1, "floor": 1e-6}), or None (do not compare
+    that metric).
+    """
+    table: dict[str, Tolerance | None] = dict(DEFAULT_TOLERANCES)
+    for override in overrides:
+        for metric, value in (override or {}).items():
+            table[metric] = _apply_override(metric, table.get(metric), value)
+    return {metric: tol for metric, tol in table.items() if tol is not None}
+
+
+def _apply_override(metric: str, current: Tolerance | None, value: ToleranceOverride) -> Tolerance | None:
+    if value is None or isinstance(value, Tolerance):
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"tolerance for {metric!r}: expected a number, a table or none, got {value!r}")
+    if isinstance(value, (int, float)):
+        changes: dict[str, Any] = {"tol": float(value)}
+    elif isinstance(value, Mapping):
+        changes = dict(value)
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Tolerance)})
+        if unknown:
+            raise ValueError(f"tolerance for {metric!r}: unknown field(s) {', '.join(unknown)}; "
+                             "use tol, floor, space, bad")
+    else:
+        raise ValueError(f"tolerance for {metric!r}: expected a number, a table or none, got {value!r}")
+    if current is None:
+        try:
+            return Tolerance(**changes)
+        except TypeError:
+            raise ValueError(f"metric {metric!r} has no default tolerance; give all of space, tol "
+                             f"and bad (e.g. {{space = 'absolute', tol = 1e-3, bad = 'up'}})") from None
+    return dataclasses.replace(current, **changes)
+
+
+def tolerances_from_config(table: Mapping[str, Any]) -> ToleranceOverrides:
+    """The `tolerances` sub-table of [tool.precision_suite], validated against the defaults."""
+    overrides = table.get("tolerances", {})
+    if not isinstance(overrides, Mapping):
+        raise ValueError("[tool.precision_suite] tolerances must be a table: metric = number or table")
+    resolve_tolerances(overrides)  # raises a clear error now rather than at the first comparison
+    return dict(overrides)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def baseline_path(baseline_dir: str | os.PathLike, case: str) -> Path:
+    """`<baseline_dir>/<case>.nc`, with characters unsafe in file names replaced.
+
+    A replaced name gets a short hash of the exact case id, so distinct cases never share a file.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._+=-]", "_", case)
+    if safe != case or not case:
+        safe = f"{safe}-{hashlib.sha1(case.encode()).hexdigest()[:8]}"
+    return Path(baseline_dir) / f"{safe}.nc"
+
+
+def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
+    """Write `ds` as a baseline file atomically (unique temp file in the same folder + rename).
+
+    Concurrent writers (pytest-xdist workers) never see or leave a half-written file.
+    """
+    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
+    if missing:
+        raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
+                            "save datasets made by precision_suite.runs.run")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars}
+    # a unique name per writer; created by HDF5 with the usual permissions (mkstemp's are 0600)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        ds.to_netcdf(tmp, engine="h5netcdf", encoding=encoding)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def default_regen_hint(case: str) -> str:
+    return f"precision-suite baseline update --case '{case}'"
+
+
+def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, Any] | None = None,
+                  expected_schema_version: int = SCHEMA_VERSION,
+                  regen_hint: str | None = None) -> xr.Dataset:
+    """Read a baseline into memory, checking schema version and (if given) the spec it was run with.
+
+    Raises BaselineError naming the file and saying how to create it again (`regen_hint`, by
+    default the `precision-suite baseline update` command for the file's case).
+    """
+    path = Path(path)
+    hint = regen_hint or default_regen_hint(path.stem)
+    if not path.is_file():
+        raise BaselineError(f"no baseline {path}; create it with: {hint}")
+    try:
+        with xr.open_dataset(path, engine="h5netcdf") as stored:
+            ds = stored.load()
+    except Exception as err:  # h5py/xarray raise many types for a damaged file
+        raise BaselineError(f"baseline {path} is corrupt or not a netCDF file "
+                            f"({type(err).__name__}: {err}); recreate it with: {hint}") from None
+    hint = regen_hint or default_regen_hint(str(ds.attrs.get("case", path.stem)))
+    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
+    if missing:
+        raise BaselineError(f"baseline {path} lacks attribute(s) {', '.join(missing)}; "
+                            f"recreate it with: {hint}")
+    try:
+        version = int(ds.attrs["schema_version"])
+    except (TypeError, ValueError):
+        version = None
+    if version != expected_schema_version:
+        raise BaselineError(f"baseline {path} has schema_version {to_python(ds.attrs['schema_version'])!r}, "
+                            f"this precision-suite reads {expected_schema_version}; "
+                            f"recreate it with: {hint}")
+    if expected_spec is not None:
+        differences = spec_differences(_spec_dict(ds.attrs["spec"], f"baseline {path}"),
+                                       _spec_dict(expected_spec, "the current spec"))
+        if differences:
+            raise BaselineError(f"baseline {path} was made for another spec ({'; '.join(differences)}); "
+                                f"if the change is intended, recreate it with: {hint}")
+    return ds
+
+
+def spec_differences(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """One 'field: baseline X, current Y' line per spec field that differs.
+
+    Fields in EXECUTION_FIELDS say where a case ran, not what it is, and are not compared: the
+    fingerprint records the device, and the tolerances are chosen to absorb its rounding.
+    """
+    fields = sorted((set(baseline) | set(current)) - set(EXECUTION_FIELDS))
+    return [f"{name}: baseline {baseline.get(name, '<absent>')!r}, current {current.get(name, '<absent>')!r}"
+            for name in fields if baseline.get(name) != current.get(name)]
+
+
+def _spec_dict(spec: str | Mapping[str, Any], what: str) -> dict[str, Any]:
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    try:
+        value = json.loads(spec)
+    except (TypeError, ValueError):
+        value = None
+    if not isinstance(value, dict):
+        raise BaselineError(f"{what}: spec is not a JSON object: {spec!r}")
+    return value
+
+
+def same_numbers(a: xr.Dataset, b: xr.Dataset) -> bool:
+    """True when both datasets hold exactly the same coordinates and data (attributes ignored)."""
+    return a.equals(b)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def compare(current: xr.Dataset, baseline: xr.Dataset,
+            tolerances: ToleranceOverrides | Sequence[ToleranceOverrides] | None = None) -> list[Finding]:
+    """Findings of `current` against `baseline`, metric by metric, on their common coordinates.
+
+    `tolerances`: overrides of DEFAULT_TOLERANCES (see `resolve_tolerances`), or a sequence of
+    them applied in order (e.g. the project's, then the test's).
+
+    Per (metric, non-time coordinates) at most one "regression" (worst step moving in the bad
+    direction beyond tolerance) and one "drift" (worst step moving the good way beyond it).
+    Current NaN/Inf where the baseline is finite is a regression; cells NaN in both (not
+    measured) are ignored; mismatched metrics or coordinates are "error" findings.
+    """
+    case = str(current.attrs.get("case", baseline.attrs.get("case", "?")))
+    findings: list[Finding] = []
+    layers = [tolerances] if tolerances is None or isinstance(tolerances, Mapping) else list(tolerances)
+    for metric, tol in resolve_tolerances(*layers).items():
+        in_current, in_baseline = metric in current.data_vars, metric in baseline.data_vars
+        if not (in_current or in_baseline):
+            continue
+        if in_current != in_baseline:
+            where_missing = "current run" if in_baseline else "baseline"
+            findings.append(_error(case, metric, f"{metric} is missing from the {where_missing}; "
+                                   "the run schema changed, regenerate the baseline"))
+            continue
+        cur, base = current[metric], baseline[metric]
+        if cur.dims != base.dims:
+            findings.append(_error(case, metric, f"{metric} has dims {cur.dims} in the current run "
+                                   f"but {base.dims} in the baseline"))
+            continue
+        mismatch = _coordinate_mismatch(cur, base)
+        if mismatch:
+            findings.append(_error(case, metric, f"{metric}: coordinates differ from the baseline "
+                                   f"({mismatch}); compared on the common ones only"))
+        cur, base = xr.align(cur, base, join="inner")
+        findings.extend(_compare_metric(case, metric, cur, base, tol))
+    return findings
+
+
+def deviation(tol: Tolerance, current: np.ndarray, baseline: np.ndarray) -> np.ndarray:
+    """Signed difference in the tolerance's space, oriented so that positive is the bad direction."""
+    c, b = np.asarray(current, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if tol.space == "log":
+            d = np.log(c) - np.log(b)
+        elif tol.space in ("absolute", "db"):
+            d = c - b
+        elif tol.space == "one_minus_cos_relative":
+            d = ((1.0 - c) - (1.0 - b)) / np.maximum(1.0 - b, tol.floor)
+        else:  # relative
+            d = (c - b) / np.maximum(np.abs(b), tol.floor)
+    return d if tol.bad == "up" else -d
+
+
+def tolerance_band(metric: str, reference: np.ndarray, tolerance: float,
+                   tol: Tolerance | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) values of `metric` that `compare` accepts around `reference`, for charts."""
+    spec = dataclasses.replace(tol or DEFAULT_TOLERANCES[metric], tol=float(tolerance))
+    b = np.asarray(reference, dtype=np.float64)
+    t = spec.tol
+    if spec.space == "log":
+        return b * np.exp(-t), b * np.exp(t)
+    if spec.space in ("absolute", "db"):
+        return b - t, b + t
+    if spec.space == "one_minus_cos_relative":
+        width = t * np.maximum(1.0 - b, spec.floor)
+        return b - width, b + width
+    width = t * np.maximum(np.abs(b), spec.floor)
+    return b - width, b + width
+
+
+def _compare_metric(case: str, metric: str, cur: xr.DataArray, base: xr.DataArray,
+                    tol: Tolerance) -> list[Finding]:
+    time_dims = [d for d in cur.dims if d in TIME_DIMS]
+    group_dims = [d for d in cur.dims if d not in TIME_DIMS]
+    order = group_dims + time_dims
+    c = cur.transpose(*order).values.astype(np.float64)
+    b = base.transpose(*order).values.astype(np.float64)
+    n_groups = int(np.prod([cur.sizes[d] for d in group_dims], dtype=np.int64))
+    c, b = c.reshape(n_groups, -1), b.reshape(n_groups, -1)
+
+    score = deviation(tol, c, b)
+    equal = (c == b) | (np.isnan(c) & np.isnan(b))
+    score[equal] = 0.0
+    finite_c, finite_b = np.isfinite(c), np.isfinite(b)
+    score[~finite_c & ~equal] = np.inf  # a new NaN/Inf, or a different non-finite value
+    score[finite_c & ~finite_b] = -np.inf  # measured now, NaN/Inf in the baseline
+    score[np.isnan(score)] = np.inf  # not comparable in this space (e.g. log of a negative)
+
+    findings = []
+    for kind, beyond, pick in (("regression", score > tol.tol, np.argmax),
+                               ("drift", score < -tol.tol, np.argmin)):
+        for g in np.flatnonzero(beyond.any(axis=1)):
+            masked = np.where(beyond[g], score[g], 0.0)
+            t = int(pick(masked))
+            where = _where(cur, group_dims, time_dims, g, t)
+            findings.append(Finding(
+                case=case, kind=kind, metric=metric, where=where, value=float(c[g, t]),
+                reference=float(b[g, t]), tolerance=tol.tol,
+                message=_comparison_message(case, kind, metric, where, c[g, t], b[g, t], tol,
+                                            int(beyond[g].sum()), beyond.shape[1])))
+    return findings
+
+
+def _where(da: xr.DataArray, group_dims: list[str], time_dims: list[str], group: int,
+           time: int) -> dict[str, Any]:
+    sizes = [da.sizes[d] for d in group_dims]
+    index = dict(zip(group_dims, np.unravel_index(group, sizes) if sizes else ()))
+    if time_dims:
+        index[time_dims[0]] = time
+    return {dim: to_python(da[dim].values[i]) for dim, i in index.items()}
+
+
+def _comparison_message(case: str, kind: str, metric: str, where: Mapping[str, Any], value: float,
+                        reference: float, tol: Tolerance, n_beyond: int, n_steps: int) -> str:
+    what = "regressed" if kind == "regression" else "drifted (better)"
+    if not np.isfinite(value) and np.isfinite(reference):
+        change = "non-finite where the baseline is finite"
+    elif np.isfinite(value) and not np.isfinite(reference):
+        change = "measured now, non-finite in the baseline"
+    else:
+        change = _describe_change(tol, value, reference)
+    steps = f"; {n_beyond} of {n_steps} steps beyond tolerance" if n_steps > 1 else ""
+    return (f"{case}: {metric} {what} at {format_where(where)}: {value:.6g} vs baseline "
+            f"{reference:.6g} ({change}){steps}")
+
+
+def _describe_change(tol: Tolerance, value: float, reference: float) -> str:
+    d = float(deviation(dataclasses.replace(tol, bad="up"), np.array(value), np.array(reference)))
+    if tol.space == "log":
+        return f"log change {d:+.3g}, tolerance ±{tol.tol:g} (x{np.exp(tol.tol):.3g})"
+    if tol.space == "db":
+        return f"{d:+.3g} dB, tolerance ±{tol.tol:g} dB"
+    if tol.space == "absolute":
+        return f"{d:+.3g}, tolerance ±{tol.tol:g}"
+    if tol.space == "one_minus_cos_relative":
+        return f"1-cos changed {d:+.1%}, tolerance ±{tol.tol:.1%}"
+    return f"{d:+.2%}, tolerance ±{tol.tol:.2%}"
+
+
+def _coordinate_mismatch(cur: xr.DataArray, base: xr.DataArray) -> str:
+    parts = []
+    for dim in cur.dims:
+        a, b = [to_python(v) for v in cur[dim].values], [to_python(v) for v in base[dim].values]
+        only_cur = [v for v in a if v not in set(b)]  # lists keep the order; sizes are tiny
+        only_base = [v for v in b if v not in set(a)]
+        if only_cur:
+            parts.append(f"{dim} {only_cur} only in the current run")
+        if only_base:
+            parts.append(f"{dim} {only_base} only in the baseline")
+    return "; ".join(parts)
+
+
+def _error(case: str, metric: str, message: str) -> Finding:
+    return Finding(case=case, kind="error", metric=metric, where={}, value=float("nan"),
+                   reference=float("nan"), tolerance=float("nan"), message=f"{case}: {message}")

@@ -1,0 +1,358 @@
+"""Charts of run datasets: figure A (attention norm), figure B (quantization error), drift charts.
+
+Every function builds a `matplotlib.figure.Figure` directly (Agg canvas, no pyplot global state),
+so charts are safe in threads, pytest workers and programs that use pyplot for other things.
+Output is deterministic: fixed size and dpi, fixed colours, and `save_figure` strips the
+timestamps and software tags that would otherwise change the bytes of every file.
+
+Figures follow the seed figures (SCIENCE.md): figure A is one panel per layer with a line per
+attention variant on a log y axis; figure B is a 2 x 3 grid of underflow (top) and distortion
+(bottom) for activations (1, 128), gradients (1, 128) and gradient transpose (128, 1), a line per
+layer, over tokens seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import matplotlib
+import numpy as np
+import xarray as xr
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+DPI = 100
+PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
+MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
+
+# units shown on y axes; a metric missing here is labelled with its name only
+METRIC_UNITS = {
+    "attention_norm": "Frobenius norm of φ(S), mean over heads",
+    "underflow": "fraction of elements (non-zero → zero)",
+    "zeros_after": "fraction of elements zero after",
+    "overflow": "fraction of elements saturated",
+    "distortion": "cosine similarity",
+    "sqnr_db": "SQNR (dB)",
+    "mse": "mean squared error",
+    "nonfinite": "NaN/Inf count",
+    "loss": "cross-entropy (nats)",
+    "accuracy": "fraction correct",
+}
+X_LABELS = {"step": "training step", "tokens": "tokens seen", "train_step": "training step"}
+
+# figure B panels: (tensor coordinate, layout label, title as in the Ling 2.0 figure)
+QUANT_PANELS = (
+    ("activation", "1x128", "activations {metric} (1,128)"),
+    ("gradient", "1x128", "gradients {metric} (1,128)"),
+    ("gradient_transpose", "128x1", "gradient transpose {metric} (128,1)"),
+)
+QUANT_ROWS = ("underflow", "distortion")
+
+# (metric, reference values, tolerance) -> (lower, upper) edges of the accepted band
+ToleranceBand = Callable[[str, np.ndarray, float], "tuple[np.ndarray, np.ndarray]"]
+
+
+def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | None = None,
+                        x: str = "step", path: str | os.PathLike | None = None) -> Figure:
+    """Figure A: attention norm (log y) over `x`, one panel per layer, one line per dataset.
+
+    `datasets` maps a line label (usually the attention variant) to a run dataset. Default layers:
+    an early one (layer 1 where the model has it) and the last.
+    """
+    if not datasets:
+        raise ValueError("plot_attention_norm: `datasets` is empty; pass {label: run dataset}")
+    if x not in ("step", "tokens"):
+        raise ValueError(f"plot_attention_norm: x={x!r} is not supported; use 'step' or 'tokens'")
+    for label, ds in datasets.items():
+        _require_variables(ds, ("attention_norm",), f"dataset {label!r}")
+    first = next(iter(datasets.values()))
+    layers = _default_attention_layers(first) if layers is None else list(layers)
+    for label, ds in datasets.items():
+        _require_layers(ds, layers, f"dataset {label!r}")
+
+    fig, axes = _new_figure(1, len(layers))
+    colours = _palette(len(datasets))
+    for ax, layer in zip(axes[0], layers):
+        hidden = 0
+        for colour, (label, ds) in zip(colours, datasets.items()):
+            values = ds["attention_norm"].sel(layer=layer).values.astype(float)
+            hidden += int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))
+            ax.plot(ds[x].values, values, color=colour, label=label, linewidth=1.6)
+        ax.set_yscale("log")
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel(X_LABELS[x])
+        ax.set_ylabel(METRIC_UNITS["attention_norm"])
+        ax.grid(True, which="major", alpha=0.3)
+        _note_hidden_points(ax, hidden, "NaN/Inf/non-positive")
+    fig.suptitle(f"Attention norm per layer: {_describe_runs(datasets)}")
+    _figure_legend(fig, axes[0][0])
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
+                     path: str | os.PathLike | None = None) -> Figure:
+    """Figure B: 2 x 3 grid of underflow (top) and distortion (bottom), a line per layer.
+
+    Columns: activations (1, 128), gradients (1, 128), gradient transpose (128, 1); x is tokens
+    seen. Default layers: every 4th (0, 4, 8, ...). A (tensor, layout) pair the run did not
+    measure is shown as an empty panel that says so.
+    """
+    _require_variables(ds, QUANT_ROWS + ("tokens",), f"dataset {ds.attrs.get('case', '')!r}")
+    layers = [int(v) for v in ds["layer"].values[::4]] if layers is None else list(layers)
+    _require_layers(ds, layers, f"dataset {ds.attrs.get('case', '')!r}")
+
+    fig, axes = _new_figure(len(QUANT_ROWS), len(QUANT_PANELS))
+    colours = _palette(len(layers), sequential=True)
+    tokens = ds["tokens"].values
+    for row, metric in zip(axes, QUANT_ROWS):
+        for ax, (tensor, layout, title) in zip(row, QUANT_PANELS):
+            ax.set_title(title.format(metric=metric))
+            ax.set_xlabel(X_LABELS["tokens"])
+            ax.set_ylabel(METRIC_UNITS[metric])
+            ax.grid(True, alpha=0.3)
+            values = _select_pair(ds[metric], tensor, layout)
+            if values is None or not np.isfinite(values.values).any():
+                ax.text(0.5, 0.5, f"{tensor} {layout}\nnot measured in this run",
+                        ha="center", va="center", transform=ax.transAxes, color="0.4")
+                continue
+            hidden = 0
+            for colour, layer in zip(colours, layers):
+                line = values.sel(layer=layer).values.astype(float)
+                hidden += int(np.count_nonzero(~np.isfinite(line)))
+                ax.plot(tokens, line, color=colour, label=f"layer {layer}", linewidth=1.4)
+            _note_hidden_points(ax, hidden, "NaN/Inf")
+    fig.suptitle(f"FP8 quantization error per layer: {ds.attrs.get('case', 'run')}")
+    legend_source = next((ax for row in axes for ax in row if ax.get_lines()), None)
+    if legend_source is not None:
+        _figure_legend(fig, legend_source)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+@dataclass(frozen=True)
+class _DriftPanel:
+    """One drift panel: a metric at one fixed selection of its non-layer, non-step coordinates."""
+
+    metric: str
+    fixed: tuple[tuple[str, object], ...]
+    findings: tuple
+
+
+def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Sequence,
+               path: str | os.PathLike | None = None, band: ToleranceBand | None = None) -> Figure:
+    """Drift chart of one case: current run against its baseline for every metric with findings.
+
+    One panel per failing metric selection (e.g. underflow of gradient 128x1); in it, one colour
+    per offending layer: current solid, baseline dashed, the accepted tolerance band shaded,
+    threshold bounds dotted, and each offending (layer, step) marked with a red cross.
+    `baseline` may be None for threshold-only findings. `band(metric, reference, tolerance)`
+    returns the band edges; the default is `precision_suite.baselines.tolerance_band`, so the
+    chart shades exactly what the comparison accepted.
+    """
+    case = current.attrs.get("case", "run")
+    panels = _drift_panels(current, findings)
+    if band is None:  # late import: only drift charts need the comparison machinery
+        from precision_suite.baselines import tolerance_band as band
+    fig, axes = _new_figure(len(panels) or 1, 1, panel_size=(9.0, 3.6))
+    if not panels:
+        ax = axes[0][0]
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no per-metric findings to chart", ha="center", va="center",
+                transform=ax.transAxes)
+    for (ax,), panel in zip(axes, panels):
+        _draw_drift_panel(ax, panel, current, baseline, band)
+    kind = "against its baseline" if baseline is not None else "against its thresholds"
+    fig.suptitle(f"{case}: current run {kind}")
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
+    """Write `fig` atomically (temp file + rename) with byte-identical output for equal figures.
+
+    The format follows the suffix (.png, .svg, .pdf).
+    """
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    metadata = {"png": {"Software": None}, "svg": {"Date": None},
+                "pdf": {"CreationDate": None, "Producer": None}}
+    if fmt not in metadata:
+        raise ValueError(f"save_figure: unsupported file type {path.name!r}; use .png, .svg or .pdf")
+    with atomic_file(path) as handle, matplotlib.rc_context({"svg.hashsalt": "precision-suite"}):
+        fig.savefig(handle, format=fmt, dpi=DPI, metadata=metadata[fmt])
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary handle on a temp file beside `path`, renamed onto `path` only when writing succeeds.
+
+    Readers (a browser, a CI job, another pytest worker) never see a half-written file.
+    Parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _new_figure(rows: int, cols: int, panel_size: tuple[float, float] = PANEL_SIZE
+                ) -> tuple[Figure, list[list[Axes]]]:
+    fig = Figure(figsize=(panel_size[0] * cols, panel_size[1] * rows + 0.8), dpi=DPI,
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return fig, [list(row) for row in axes]
+
+
+def _palette(n: int, sequential: bool = False) -> list:
+    """Fixed colours: qualitative for variants, ordered (viridis) for layers, like the seeds."""
+    if sequential:
+        cmap = matplotlib.colormaps["viridis"]
+        return [cmap(v) for v in np.linspace(0.9, 0.1, n)] if n > 1 else [cmap(0.5)]
+    cmap = matplotlib.colormaps["tab10"]
+    return [cmap(i % 10) for i in range(n)]
+
+
+def _figure_legend(fig: Figure, source: Axes) -> None:
+    """One legend under the panels, outside every axes, so it never covers data."""
+    handles, labels = source.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 7),
+                   frameon=False)
+
+
+def _note_hidden_points(ax: Axes, count: int, what: str) -> None:
+    if count:
+        ax.text(0.01, 0.99, f"{count} {what} point(s) not drawn", transform=ax.transAxes,
+                ha="left", va="top", fontsize=8, color="tab:red")
+
+
+def _require_variables(ds: xr.Dataset, names: Sequence[str], what: str) -> None:
+    missing = [n for n in names if n not in ds.variables]
+    if missing:
+        raise ValueError(f"{what} lacks {', '.join(missing)}; charts need run datasets made by "
+                         "precision_suite.runs.run (schema in docs/architecture.md)")
+
+
+def _require_layers(ds: xr.Dataset, layers: Sequence[int], what: str) -> None:
+    available = [int(v) for v in ds["layer"].values]
+    unknown = [layer for layer in layers if layer not in available]
+    if unknown or not layers:
+        raise ValueError(f"{what}: layers {unknown or '[]'} not available; choose from "
+                         f"{available[0]}..{available[-1]}" if available else f"{what} has no layers")
+
+
+def _default_attention_layers(ds: xr.Dataset) -> list[int]:
+    layers = [int(v) for v in ds["layer"].values]
+    early = 1 if 1 in layers and len(layers) > 2 else layers[0]
+    return sorted({early, layers[-1]})
+
+
+def _describe_runs(datasets: Mapping[str, xr.Dataset]) -> str:
+    """Title text: the case for one run; the spec fields the runs share for several."""
+    if len(datasets) == 1:
+        return str(next(iter(datasets.values())).attrs.get("case", next(iter(datasets))))
+    specs = []
+    for ds in datasets.values():
+        try:
+            specs.append(json.loads(ds.attrs.get("spec", "{}")))
+        except (TypeError, ValueError):
+            specs.append({})
+    shared = [f"{field} {specs[0][field]}" for field in ("model", "recipe")
+              if field in specs[0] and all(s.get(field) == specs[0][field] for s in specs)]
+    return ", ".join(shared + [f"{len(datasets)} runs"])
+
+
+def _select_pair(var: xr.DataArray, tensor: str, layout: str) -> xr.DataArray | None:
+    if tensor not in var["tensor"].values or layout not in var["layout"].values:
+        return None
+    return var.sel(tensor=tensor, layout=layout)
+
+
+def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
+    grouped: dict[tuple, list] = {}
+    for finding in findings:
+        if finding.kind == "error" or finding.metric not in current.data_vars:
+            continue
+        dims = current[finding.metric].dims
+        where = dict(finding.where or {})
+        fixed = tuple((dim, where[dim]) for dim in dims
+                      if dim in where and dim not in ("layer", "step", "train_step"))
+        grouped.setdefault((finding.metric, fixed), []).append(finding)
+    return [_DriftPanel(metric, fixed, tuple(group)) for (metric, fixed), group in grouped.items()]
+
+
+def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
+                      baseline: xr.Dataset | None, band: ToleranceBand) -> None:
+    var = current[panel.metric].sel(dict(panel.fixed))
+    x_dim = next((d for d in ("step", "train_step") if d in var.dims), None)
+    reference = None
+    if baseline is not None and panel.metric in baseline.data_vars:
+        reference = baseline[panel.metric].sel(dict(panel.fixed))
+    # the band is the comparison's; threshold findings carry a bound, drawn as a line instead
+    tolerance = next((float(f.tolerance) for f in panel.findings if f.kind in ("regression", "drift")
+                      and f.tolerance is not None and math.isfinite(float(f.tolerance))), None)
+
+    if "layer" in var.dims:
+        offending = sorted({int(f.where["layer"]) for f in panel.findings if "layer" in (f.where or {})})
+        layers = offending or [int(v) for v in var["layer"].values]
+        series = [(f"layer {layer}", {"layer": layer}) for layer in layers[:MAX_DRIFT_LINES]]
+        if len(layers) > MAX_DRIFT_LINES:
+            ax.text(0.99, 0.01, f"+{len(layers) - MAX_DRIFT_LINES} more offending layers",
+                    transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+    else:
+        series = [(panel.metric, {})]
+
+    xs = var[x_dim].values if x_dim else np.zeros(1)
+    for colour, (label, where) in zip(_palette(len(series)), series):
+        ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, label=f"{label} current")
+        if reference is not None:
+            ref = np.atleast_1d(reference.sel(where).values.astype(float))
+            ref_x = reference[x_dim].values if x_dim else xs
+            ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} baseline")
+            if tolerance is not None:
+                lower, upper = band(panel.metric, ref, tolerance)
+                ax.fill_between(ref_x, lower, upper, color=colour, alpha=0.15, linewidth=0)
+
+    for bound in sorted({float(f.reference) for f in panel.findings
+                         if f.kind == "threshold" and f.reference is not None}):
+        ax.axhline(bound, color="tab:red", linestyle=":", linewidth=1.2, label=f"bound {bound:g}")
+    marks_x, marks_y = [], []
+    for finding in panel.findings:
+        where = finding.where or {}
+        marks_x.append(where.get(x_dim, xs[-1]) if x_dim else xs[-1])
+        marks_y.append(float(finding.value))
+    ax.scatter(marks_x, marks_y, marker="X", s=60, color="tab:red", zorder=5,
+               label="offending point")
+
+    title = " ".join([panel.metric] + [str(v) for _, v in panel.fixed])
+    ax.set_title(title)
+    ax.set_xlabel(X_LABELS.get(x_dim, ""))
+    ax.set_ylabel(METRIC_UNITS.get(panel.metric, panel.metric))
+    if panel.metric == "attention_norm":
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)

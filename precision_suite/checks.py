@@ -1,0 +1,503 @@
+"""Declarative per-layer threshold and growth rules, and the verdict types every check reports.
+
+Rules are written as short strings (or TOML tables) and configured in pyproject.toml under
+[tool.precision_suite] or passed per test:
+
+    "underflow <= 1e-3 @ tensor=gradient, layout=1x128"      bound on every layer and step
+    "distortion >= 0.999 @ tensor=activation, steps=last"    only the last sampled step
+    "attention_norm <= sqrt(N) @ attention=softmax"          bound from the run, only softmax runs
+    "growth(attention_norm) <= 4 @ layer=0|11"               last step <= 4 x first step, per layer
+
+After `@`: `layer`, `tensor`, `layout` select coordinates (alternatives separated by `|`), `steps`
+is `all` (default) or `last`, and any other key must match a field of the run's spec. The grammar
+and the reasons for it are in docs/baselines.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+if TYPE_CHECKING:  # xarray is only needed for annotations; keeps this module cheap to import
+    import xarray as xr
+
+FINDING_KINDS = ("regression", "drift", "threshold", "error")
+COORD_KEYS = ("layer", "tensor", "layout")
+TIME_DIMS = ("step", "train_step")
+CONFIG_KEYS = ("rules", "tolerances")
+
+
+# --------------------------------------------------------------------------- verdict types
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing a check found about a case.
+
+    kind: "regression" | "drift" (baseline comparison), "threshold" (a rule), "error" (the check
+    could not be made). where: the coordinates, e.g. {"layer": 3, "tensor": "gradient",
+    "layout": "1x128", "step": 30}. value: the current number; reference: the baseline value or the
+    rule's bound; tolerance: the accepted deviation in the metric's comparison space (NaN for
+    rules and errors).
+    """
+
+    case: str
+    kind: str
+    metric: str
+    where: Mapping[str, Any]
+    value: float
+    reference: float
+    tolerance: float
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in FINDING_KINDS:
+            raise ValueError(f"Finding.kind {self.kind!r} is unknown; use one of {', '.join(FINDING_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
+        return {"case": self.case, "kind": self.kind, "metric": self.metric,
+                "where": dict(self.where), "value": _json_number(self.value),
+                "reference": _json_number(self.reference),
+                "tolerance": _json_number(self.tolerance), "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseVerdict:
+    """The outcome of one case. status: "pass" | "drift" | "fail" | "error"."""
+
+    case: str
+    status: str
+    findings: tuple[Finding, ...] = ()
+    charts: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "status": self.status,
+                "findings": [f.to_dict() for f in self.findings], "charts": list(self.charts)}
+
+
+def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) -> CaseVerdict:
+    """Status from the findings: any regression or threshold -> fail; else any error -> error;
+    else any drift -> drift; else pass. A definite failure outranks "could not check"."""
+    findings = tuple(findings)
+    kinds = {f.kind for f in findings}
+    if kinds & {"regression", "threshold"}:
+        status = "fail"
+    elif "error" in kinds:
+        status = "error"
+    elif "drift" in kinds:
+        status = "drift"
+    else:
+        status = "pass"
+    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts))
+
+
+def format_where(where: Mapping[str, Any]) -> str:
+    """'layer 3, tensor gradient, layout 1x128, step 30' (layer first, time last)."""
+    order = [k for k in COORD_KEYS if k in where]
+    order += [k for k in where if k not in order and k not in TIME_DIMS]
+    order += [k for k in TIME_DIMS if k in where]
+    return ", ".join(f"{k} {where[k]}" for k in order) or "the whole run"
+
+
+def _json_number(value: float) -> float | str:
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+# --------------------------------------------------------------------------- rules
+
+Selector = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundRule:
+    """`metric op bound` on the selected cells; bound is a number or an expression of run attrs."""
+
+    metric: str
+    op: str  # "<=" | ">="
+    bound: float | str
+    select: Selector = ()
+    steps: str = "all"  # "all" | "last"
+
+    def __str__(self) -> str:
+        return _rule_text(self.metric, self.op, self.bound, self.select, self.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthRule:
+    """Per layer (and tensor/layout): value at the last sampled step <= factor x value at the first."""
+
+    metric: str
+    factor: float | str
+    select: Selector = ()
+
+    def __str__(self) -> str:
+        return _rule_text(f"growth({self.metric})", "<=", self.factor, self.select, "all")
+
+
+Rule = Union[BoundRule, GrowthRule]
+
+_RULE_RE = re.compile(r"""^\s*(?:growth\(\s*(?P<growth>\w+)\s*\)|(?P<metric>\w+))\s*
+                          (?P<op><=|>=)\s*(?P<bound>[^@]+?)\s*(?:@(?P<select>.*))?$""", re.X)
+_DICT_BOUND_KEYS = {"max": "<=", "min": ">="}
+
+
+def parse_rule(rule: str | Mapping[str, Any] | Rule) -> Rule:
+    """A rule from its string form, its table form, or a Rule (returned as is).
+
+    Table form: {metric = "underflow", max = 1e-3, tensor = "gradient", layout = "1x128"}, with
+    exactly one of max / min / growth; other keys are selectors as in the string form.
+    """
+    if isinstance(rule, (BoundRule, GrowthRule)):
+        return rule
+    if isinstance(rule, str):
+        return _parse_rule_text(rule)
+    if isinstance(rule, Mapping):
+        return _parse_rule_table(rule)
+    raise ValueError(f"a rule must be a string like 'underflow <= 1e-3 @ tensor=gradient' or a table, "
+                     f"got {rule!r}")
+
+
+def parse_rules(rules: Iterable[str | Mapping[str, Any] | Rule] | None) -> tuple[Rule, ...]:
+    parsed = []
+    for index, rule in enumerate(rules or ()):
+        try:
+            parsed.append(parse_rule(rule))
+        except ValueError as err:
+            raise ValueError(f"rule {index + 1} ({rule!r}): {err}") from None
+    return tuple(parsed)
+
+
+def _parse_rule_text(text: str) -> Rule:
+    match = _RULE_RE.match(text)
+    if not match:
+        raise ValueError("expected 'metric <= bound', 'metric >= bound' or 'growth(metric) <= factor', "
+                         "optionally followed by '@ key=value, ...'")
+    select: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in (match["select"] or "").split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"selector {part!r} is not key=value")
+        select[key.strip()] = value.strip().split("|")
+    bound = _number_or_expression(match["bound"])
+    if match["growth"]:
+        if match["op"] != "<=":
+            raise ValueError("a growth rule is 'growth(metric) <= factor'")
+        return _growth_rule(match["growth"], bound, select)
+    return _bound_rule(match["metric"], match["op"], bound, select)
+
+
+def _parse_rule_table(table: Mapping[str, Any]) -> Rule:
+    select = dict(table)
+    metric = select.pop("metric", None)
+    if not isinstance(metric, str):
+        raise ValueError("a rule table needs metric = '<name>'")
+    given = [k for k in ("max", "min", "growth") if k in select]
+    if len(given) != 1:
+        raise ValueError("a rule table needs exactly one of max, min or growth")
+    bound = _number_or_expression(select.pop(given[0]))
+    if given[0] == "growth":
+        return _growth_rule(metric, bound, select)
+    return _bound_rule(metric, _DICT_BOUND_KEYS[given[0]], bound, select)
+
+
+def _bound_rule(metric: str, op: str, bound: float | str, select: dict[str, Any]) -> BoundRule:
+    steps = select.pop("steps", ["all"])
+    steps = steps[0] if isinstance(steps, list) and len(steps) == 1 else steps
+    if steps not in ("all", "last"):
+        raise ValueError(f"steps={steps!r}: use steps=all or steps=last")
+    return BoundRule(metric, op, bound, _selector(select), steps)
+
+
+def _growth_rule(metric: str, factor: float | str, select: dict[str, Any]) -> GrowthRule:
+    if "steps" in select:
+        raise ValueError("a growth rule always compares the last sampled step with the first; drop steps=")
+    if isinstance(factor, float) and not factor > 0:
+        raise ValueError(f"growth factor must be > 0, got {factor}")
+    return GrowthRule(metric, factor, _selector(select))
+
+
+def _selector(select: Mapping[str, Any]) -> Selector:
+    items = []
+    for key, values in select.items():
+        values = values if isinstance(values, (list, tuple)) else [values]
+        values = tuple(str(v) for v in values)
+        if key == "layer":
+            bad = [v for v in values if not re.fullmatch(r"\d+", v)]
+            if bad:
+                raise ValueError(f"layer={'|'.join(bad)}: layers are integers, e.g. layer=0|4|8")
+        items.append((str(key), values))
+    return tuple(items)
+
+
+def _number_or_expression(value: Any) -> float | str:
+    if isinstance(value, bool):
+        raise ValueError(f"bound {value!r} is not a number or expression")
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    evaluate_expression(text, names=None)  # syntax check now; names are resolved per run
+    return text
+
+
+def _rule_text(metric: str, op: str, bound: float | str, select: Selector, steps: str) -> str:
+    parts = [f"{k}={'|'.join(v)}" for k, v in select]
+    if steps != "all":
+        parts.append(f"steps={steps}")
+    bound_text = f"{bound:g}" if isinstance(bound, float) else bound
+    return f"{metric} {op} {bound_text}" + (f" @ {', '.join(parts)}" if parts else "")
+
+
+# --------------------------------------------------------------------------- expressions
+
+_FUNCTIONS = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp, "min": min, "max": max}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.Pow: operator.pow}
+
+
+def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
+    """Evaluate an arithmetic bound such as '2*sqrt(N)' (numbers, names, + - * / **, sqrt, log,
+    exp, min, max). With names=None only the syntax is checked (names evaluate to 1)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"bound {text!r} is not an arithmetic expression") from None
+
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+                and not isinstance(node.value, bool):
+            return float(node.value)
+        if isinstance(node, ast.Name):
+            if names is None:
+                return 1.0
+            if node.id not in names:
+                raise ValueError(f"bound {text!r}: unknown name {node.id!r}; this run provides "
+                                 f"{', '.join(sorted(names)) or 'no numeric attributes'}")
+            return float(names[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = walk(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in _FUNCTIONS and not node.keywords:
+            return float(_FUNCTIONS[node.func.id](*(walk(arg) for arg in node.args)))
+        raise ValueError(f"bound {text!r}: only numbers, names, + - * / ** and "
+                         f"{', '.join(_FUNCTIONS)} are allowed")
+
+    return walk(tree)
+
+
+def run_names(ds: xr.Dataset) -> dict[str, float]:
+    """Numbers a bound expression may use: numeric spec fields, then numeric dataset attrs."""
+    names: dict[str, float] = {}
+    for key, value in {**run_spec(ds), **ds.attrs}.items():
+        if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            names[str(key)] = float(value)
+    return names
+
+
+def run_spec(ds: xr.Dataset) -> dict[str, Any]:
+    try:
+        spec = json.loads(ds.attrs.get("spec", "{}"))
+    except (TypeError, ValueError):
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
+                case: str | None = None, *, strict: bool = False) -> list[Finding]:
+    """Findings (kind "threshold", or "error" for a rule that cannot be applied) of `rules` on `ds`.
+
+    A rule whose spec selectors (e.g. attention=softmax) do not match the run does not apply.
+    A rule whose coordinate selectors match nothing in the run is skipped, or, with strict=True
+    (rules written for this very case), reported as an error. Cells NaN at every step (pairs the
+    run does not measure) are skipped; a NaN among measured steps violates the rule.
+    """
+    case = case if case is not None else str(ds.attrs.get("case", "?"))
+    findings: list[Finding] = []
+    for rule in parse_rules(rules):
+        try:
+            findings.extend(_check_rule(ds, rule, case, strict))
+        except ValueError as err:
+            findings.append(Finding(case, "error", rule.metric, {}, math.nan, math.nan, math.nan,
+                                    f"{case}: rule '{rule}' cannot be checked: {err}"))
+    return findings
+
+
+def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Finding]:
+    if rule.metric not in ds.data_vars:
+        raise ValueError(f"the run has no metric {rule.metric!r}; it has {', '.join(map(str, ds.data_vars))}")
+    da = ds[rule.metric]
+    spec = run_spec(ds)
+    index: dict[str, list[Any]] = {}
+    for key, wanted in rule.select:
+        if key in COORD_KEYS or key in da.dims:
+            if key not in da.dims:
+                raise ValueError(f"{rule.metric} has no {key} dimension (its dims: {', '.join(da.dims)})")
+            present = _matching_coords(da[key].values, wanted)
+            if not present:
+                if strict:
+                    raise ValueError(f"{key}={'|'.join(wanted)} matches nothing; the run has "
+                                     f"{key} {', '.join(str(v) for v in da[key].values)}")
+                return []
+            index[key] = present
+        elif key not in spec:
+            raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
+                             f"({', '.join(sorted(spec)) or 'no spec'})")
+        elif not _spec_matches(spec[key], wanted):
+            return []
+    da = da.sel(index)
+    time_dims = [d for d in da.dims if d in TIME_DIMS]
+    if len(time_dims) != 1:
+        raise ValueError(f"{rule.metric} needs exactly one time dimension (step or train_step)")
+    time_dim = time_dims[0]
+    group_dims = [d for d in da.dims if d != time_dim]
+    da = da.transpose(*group_dims, time_dim)
+    values = da.values.astype(np.float64).reshape(-1, da.sizes[time_dim])
+    measured = ~np.all(np.isnan(values), axis=1)
+    if not measured.any():
+        if strict:
+            raise ValueError("every selected cell is NaN (not measured by this run)")
+        return []
+    names = run_names(ds)
+    n_steps = values.shape[1]
+
+    if isinstance(rule, GrowthRule):
+        factor = _resolve(rule.factor, names)
+        first, observed = values[:, 0], values[:, -1]
+        reference = factor * first
+        with np.errstate(invalid="ignore"):
+            violated = measured & ~(observed <= reference)
+        step_index = np.full(len(values), n_steps - 1)
+        first_step = to_python(da[time_dim].values[0])
+    else:
+        bound = _resolve(rule.bound, names)
+        offset = n_steps - 1 if rule.steps == "last" else 0
+        checked = values[:, offset:]
+        with np.errstate(invalid="ignore"):
+            bad = ~(checked <= bound) if rule.op == "<=" else ~(checked >= bound)
+        bad &= measured[:, None]
+        violated = bad.any(axis=1)
+        # the worst violating step: largest value for <=, smallest for >=, NaN worst of all
+        severity = np.where(np.isnan(checked), np.inf, checked if rule.op == "<=" else -checked)
+        step_index = offset + np.argmax(np.where(bad, severity, -np.inf), axis=1)
+        observed = values[np.arange(len(values)), step_index]
+        reference = np.full(len(values), bound)
+
+    findings = []
+    sizes = [da.sizes[d] for d in group_dims]
+    for g in np.flatnonzero(violated):
+        where = {d: to_python(da[d].values[i])
+                 for d, i in zip(group_dims, np.unravel_index(g, sizes) if sizes else ())}
+        where[time_dim] = to_python(da[time_dim].values[step_index[g]])
+        value, ref = float(observed[g]), float(reference[g])
+        if isinstance(rule, GrowthRule):
+            detail = (f"{rule.metric} grew from {values[g, 0]:.6g} at {time_dim} {first_step} to "
+                      f"{value:.6g}, above {factor:g} x first = {ref:.6g}")
+        else:
+            n_checked = n_steps - offset
+            detail = f"{rule.metric} = {value:.6g}, bound {rule.op} {ref:.6g}"
+            if n_checked > 1:
+                detail += f"; {int(bad[g].sum())} of {n_checked} {time_dim}s violate"
+        findings.append(Finding(case, "threshold", rule.metric, where, value, ref, math.nan,
+                                f"{case}: rule '{rule}' violated at {format_where(where)}: {detail}"))
+    return findings
+
+
+def _resolve(bound: float | str, names: Mapping[str, float]) -> float:
+    return bound if isinstance(bound, float) else evaluate_expression(bound, names)
+
+
+def _matching_coords(coords: np.ndarray, wanted: Sequence[str]) -> list[Any]:
+    return [to_python(c) for c in coords if str(to_python(c)) in wanted]
+
+
+def _spec_matches(value: Any, wanted: Sequence[str]) -> bool:
+    for option in wanted:
+        if str(value) == option:
+            return True
+        try:
+            if float(value) == float(option):
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
+
+
+def to_python(value: Any) -> Any:
+    """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectConfig:
+    """[tool.precision_suite] of a project: rules checked on every case, tolerance overrides."""
+
+    rules: tuple[Rule, ...] = ()
+    tolerances: Mapping[str, Any] = field(default_factory=dict)
+
+
+def read_project_table(pyproject: str | Path) -> dict[str, Any]:
+    """The [tool.precision_suite] table of a pyproject.toml ({} when the file or table is absent)."""
+    path = Path(pyproject)
+    if not path.is_file():
+        return {}
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise RuntimeError(f"reading [tool.precision_suite] from {path} needs Python 3.11+ "
+                               "(tomllib) or the tomli package (pip install tomli)") from None
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    table = data.get("tool", {}).get("precision_suite", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: [tool.precision_suite] must be a table")
+    return table
+
+
+def load_project_config(pyproject: str | Path) -> ProjectConfig:
+    """Parse and validate [tool.precision_suite]; errors name the file, key and rule."""
+    # late import: baselines imports this module for Finding
+    from precision_suite.baselines import tolerances_from_config
+
+    table = read_project_table(pyproject)
+    unknown = sorted(set(table) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"{pyproject}: [tool.precision_suite] has unknown key(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(CONFIG_KEYS)}")
+    rules = table.get("rules", [])
+    if not isinstance(rules, list):
+        raise ValueError(f"{pyproject}: [tool.precision_suite] rules must be a list of strings or tables")
+    try:
+        return ProjectConfig(rules=parse_rules(rules), tolerances=tolerances_from_config(table))
+    except ValueError as err:
+        raise ValueError(f"{pyproject}: [tool.precision_suite] {err}") from None

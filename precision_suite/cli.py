@@ -1,0 +1,545 @@
+"""The `precision-suite` command line: train, compare with baselines, check rules, write reports.
+
+Exit status: 0 when every check holds (drift is reported but holds), 1 on a numerics regression
+(a failing or erroring case), 2 on bad usage or configuration (unknown names, unreadable files,
+missing or mismatched baselines), always with a one-line message saying what to do next.
+
+Heavy modules (torch, xarray, matplotlib) are imported inside the command functions so that
+`--help` and `--version` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from precision_suite import __version__
+
+EXIT_OK, EXIT_REGRESSION, EXIT_USAGE = 0, 1, 2
+DEFAULT_BASELINE_DIR = "baselines"
+DEFAULT_REPORT_ROOT = "reports"
+DEFAULT_RULES_FILE = "pyproject.toml"
+
+# The default matrix (docs/cli.md): every attention variant on the ViT in float32, and the
+# low-precision training recipes on the GPT with the MX/NVFP4 layouts measured beside FP8 blocks.
+VIT_ATTENTIONS = ("softmax", "x/1", "x/sqrt(N)", "x^3/1", "x^3/sqrt(N)", "sigmoid", "relu/N")
+VIT_RECIPE = "fp32"
+GPT_RECIPES = ("fp8-block", "mxfp8", "nvfp4")
+GPT_EXTRA_FORMATS = ("mxfp8", "nvfp4")
+# --quick: a subset of the same specs (so both share baselines): one bounded and one unbounded
+# attention variant and the FP8 block recipe
+QUICK_VIT_ATTENTIONS = ("softmax", "x/1")
+QUICK_GPT_RECIPES = ("fp8-block",)
+
+
+class UsageError(Exception):
+    """Bad usage or configuration: reported as one line, exit status 2."""
+
+
+def default_matrix(quick: bool) -> list:
+    """The RunSpecs `precision-suite run` checks when no selection or config file narrows it."""
+    from precision_suite.runs import RunSpec
+
+    attentions = QUICK_VIT_ATTENTIONS if quick else VIT_ATTENTIONS
+    recipes = QUICK_GPT_RECIPES if quick else GPT_RECIPES
+    specs = [RunSpec(model="vit", attention=a, recipe=VIT_RECIPE) for a in attentions]
+    specs += [RunSpec(model="gpt", attention="softmax", recipe=r, extra_formats=GPT_EXTRA_FORMATS)
+              for r in recipes]
+    return specs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status instead of raising SystemExit."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version (0) or a usage error (2, already printed)
+        return int(exc.code or 0)
+    if not getattr(args, "command_func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.command_func(args)
+    except UsageError as exc:
+        print(f"precision-suite: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("precision-suite: interrupted", file=sys.stderr)
+        return 130
+
+
+# --------------------------------------------------------------------------- parser
+
+_EPILOG = """\
+examples:
+  precision-suite run --quick                  smoke matrix (about 1.5 minutes on 2 CPU cores)
+  precision-suite run                          the full default matrix
+  precision-suite run --model vit --attention x/1 --save-results results/
+  precision-suite baseline update --quick      (re)create the baselines the quick run uses
+  precision-suite compare old/ new/ --fail underflow:1e-3
+  precision-suite report results/              charts and summary of saved results
+
+exit status: 0 all checks hold, 1 numerics regression, 2 bad usage or configuration.
+More in docs/cli.md.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precision-suite", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Numerics regression suite for low-precision transformer training: attention "
+                    "norms and FP8/MXFP8/NVFP4 quantization error per layer, checked against "
+                    "golden baselines and thresholds.")
+    parser.add_argument("--version", action="version", version=f"precision-suite {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run", help="train the matrix, compare with baselines, check rules, write a report",
+        description="Train each case of the matrix (or of the selection), compare it with its "
+                    "baseline, check the [tool.precision_suite] rules and write a report. "
+                    "Progress goes to stderr, the summary to stdout.")
+    _add_selection(run)
+    _add_checking(run)
+    run.add_argument("--save-results", metavar="DIR",
+                     help="also save each run as DIR/<case>.nc, for `compare` and `report` later")
+    run.set_defaults(command_func=_cmd_run)
+
+    compare = commands.add_parser(
+        "compare", help="compare saved results NEW against BASE (files or folders of .nc files)",
+        description="Compare saved results NEW against BASE with the baseline tolerances and the "
+                    "[tool.precision_suite] rules. BASE and NEW are .nc files or folders of them "
+                    "(as written by `run --save-results`); cases are matched by case id.")
+    compare.add_argument("base", metavar="BASE", help="reference results: a .nc file or a folder")
+    compare.add_argument("new", metavar="NEW", help="results to judge: a .nc file or a folder")
+    compare.add_argument("--fail", metavar="METRIC:TOL", action="append", default=[],
+                         help="override a metric's tolerance, e.g. underflow:1e-3 or "
+                              "attention_norm:0.1 (in the metric's comparison space, "
+                              "see docs/baselines.md); repeatable")
+    _add_checking(compare, baselines=False)
+    compare.set_defaults(command_func=_cmd_compare)
+
+    baseline = commands.add_parser("baseline", help="manage golden baselines",
+                                   description="Manage the golden baseline files.")
+    baseline_commands = baseline.add_subparsers(title="baseline commands", metavar="ACTION")
+    update = baseline_commands.add_parser(
+        "update", help="train the selection and (over)write its baselines",
+        description="Train each selected case and write its baseline atomically. Review the "
+                    "change (git diff --stat baselines/) before committing it.")
+    _add_selection(update)
+    update.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
+                        help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
+    update.set_defaults(command_func=_cmd_baseline_update)
+    baseline.set_defaults(command_func=lambda _args: _missing_action(baseline))
+
+    report = commands.add_parser(
+        "report", help="charts and summary of saved results, without training",
+        description="Write a report (charts of every case, rules checked) from saved results. "
+                    "With --baseline-dir the results are also compared with their baselines.")
+    report.add_argument("results", metavar="RESULTS", help="a .nc result file or a folder of them")
+    _add_checking(report, baselines=False, charts_default="all")
+    report.add_argument("--baseline-dir", metavar="DIR", default=None,
+                        help="also compare with the baselines in DIR")
+    report.set_defaults(command_func=_cmd_report)
+    return parser
+
+
+def _add_selection(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("selection (default: the whole matrix; repeat a flag to pick several)")
+    group.add_argument("--model", action="append", metavar="NAME", help="e.g. vit, gpt")
+    group.add_argument("--attention", action="append", metavar="NAME",
+                       help="e.g. softmax, x/1, 'x^3/sqrt(N)'")
+    group.add_argument("--recipe", action="append", metavar="NAME", help=f"e.g. {VIT_RECIPE}, {GPT_RECIPES[0]}")
+    group.add_argument("--case", action="append", metavar="ID", help="an exact case id")
+    group.add_argument("--config", metavar="FILE",
+                       help="a TOML file of [[case]] tables (RunSpec fields) replacing the matrix")
+    group.add_argument("--quick", action="store_true", help="the fast smoke matrix")
+    group.add_argument("--device", metavar="DEVICE", help="auto, cpu or cuda (overrides the specs)")
+
+
+def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
+                  charts_default: str = "failing") -> None:
+    if baselines:
+        parser.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
+                            help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
+    parser.add_argument("--rules", default=DEFAULT_RULES_FILE, metavar="FILE",
+                        help="pyproject.toml holding [tool.precision_suite] rules "
+                             f"(default: ./{DEFAULT_RULES_FILE}, skipped if absent)")
+    parser.add_argument("--report-dir", metavar="DIR",
+                        help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
+    parser.add_argument("--charts", choices=("failing", "all"), default=charts_default,
+                        help=f"draw charts for failing/drifting cases or all (default: {charts_default})")
+
+
+def _missing_action(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from precision_suite import baselines, runs
+
+    specs = _selected_specs(args)
+    rules, tolerances = _load_rules(args.rules)
+    references = {}
+    for spec in specs:  # every baseline is checked before the first minute of training
+        case = runs.case_id(spec)
+        references[case] = _load_reference(baselines, args.baseline_dir, case, spec.to_json(),
+                                           _regen_command(args, case))
+    report_dir = _report_dir(args.report_dir)
+    verdicts, datasets = [], {}
+    for index, spec in enumerate(specs, 1):
+        case = runs.case_id(spec)
+        ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
+        if args.save_results:
+            runs.save_dataset(ds, _result_path(args.save_results, case))
+        verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir))
+        datasets[case] = ds
+    return _finish(verdicts, datasets, report_dir, args.charts)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    base = _load_results(args.base, "BASE")
+    new = _load_results(args.new, "NEW")
+    pairs = _pair_results(base, new, args.base, args.new)
+    rules, tolerances = _load_rules(args.rules)
+    tolerances = {**tolerances, **_parse_fail_rules(args.fail)}
+    report_dir = _report_dir(args.report_dir)
+    verdicts = [_judge(case, current, reference, rules, tolerances, report_dir)
+                for case, (reference, current) in pairs.items()]
+    return _finish(verdicts, {case: current for case, (_, current) in pairs.items()},
+                   report_dir, args.charts)
+
+
+def _cmd_baseline_update(args: argparse.Namespace) -> int:
+    from precision_suite import baselines, runs
+
+    specs = _selected_specs(args)
+    for index, spec in enumerate(specs, 1):
+        case = runs.case_id(spec)
+        ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
+        path = baselines.save_baseline(ds, baselines.baseline_path(args.baseline_dir, case))
+        print(f"wrote {path}")
+    print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {args.baseline_dir}` "
+          "and commit them with the change that explains them")
+    return EXIT_OK
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    results = _load_results(args.results, "RESULTS")
+    rules, tolerances = _load_rules(args.rules)
+    report_dir = _report_dir(args.report_dir)
+    verdicts = []
+    if args.baseline_dir is not None:
+        from precision_suite import baselines
+    for case, ds in results.items():
+        reference = None
+        if args.baseline_dir is not None:
+            reference = _load_reference(baselines, args.baseline_dir, case, ds.attrs.get("spec"),
+                                        baselines.default_regen_hint(case))
+        verdicts.append(_judge(case, ds, reference, rules, tolerances, report_dir))
+    return _finish(verdicts, results, report_dir, args.charts)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def _selected_specs(args: argparse.Namespace) -> list:
+    from precision_suite import runs
+
+    specs = _config_specs(Path(args.config)) if args.config else default_matrix(args.quick)
+    if args.device:
+        specs = [dataclasses.replace(spec, device=args.device) for spec in specs]
+    source = f"config file {args.config}" if args.config else \
+        ("the quick matrix" if args.quick else "the default matrix")
+    filters = {"model": args.model, "attention": args.attention, "recipe": args.recipe}
+    for field, wanted in filters.items():
+        if not wanted:
+            continue
+        available = sorted({str(getattr(spec, field)) for spec in specs})
+        unknown = [w for w in wanted if w not in available]
+        if unknown:
+            raise UsageError(f"--{field} {', '.join(unknown)} is not in {source} (it has "
+                             f"{', '.join(available)}); for other cases write a --config file "
+                             "(see docs/cli.md)")
+        specs = [spec for spec in specs if str(getattr(spec, field)) in wanted]
+    if args.case:
+        cases = {runs.case_id(spec): spec for spec in specs}
+        unknown = [c for c in args.case if c not in cases]
+        if unknown:
+            raise UsageError(f"--case {', '.join(unknown)} is not in the selection from {source} "
+                             f"(it has {', '.join(sorted(cases)) or 'no cases'})")
+        specs = [cases[c] for c in args.case]
+    if not specs:
+        raise UsageError(f"the selection from {source} is empty; widen --model/--attention/--recipe")
+    for spec in specs:  # every spec is checked before the first one trains
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise UsageError(f"{runs.case_id(spec)} from {source}: {exc}") from None
+    return specs
+
+
+def _config_specs(path: Path) -> list:
+    """RunSpecs from a TOML file of [[case]] tables whose keys are RunSpec fields."""
+    from precision_suite.runs import RunSpec
+
+    table = _read_toml(path)
+    cases = table.get("case")
+    if not isinstance(cases, list) or not cases:
+        raise UsageError(f"{path}: no [[case]] tables; write one per run, e.g.\n"
+                         '[[case]]\nmodel = "vit"\nattention = "softmax"\nrecipe = "fp32"')
+    fields = {f.name for f in dataclasses.fields(RunSpec)}
+    specs = []
+    for number, case in enumerate(cases, 1):
+        if not isinstance(case, dict):
+            raise UsageError(f"{path}: case number {number} is not a table; write [[case]] tables")
+        unknown = sorted(set(case) - fields)
+        if unknown:
+            raise UsageError(f"{path}: [[case]] number {number} has unknown field(s) "
+                             f"{', '.join(unknown)}; RunSpec fields are {', '.join(sorted(fields))}")
+        specs.append(RunSpec(**case))
+    return specs
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise UsageError(f"reading {path} needs Python >= 3.11 or `pip install tomli`") from None
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path} does not exist; check the path") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}; fix the file (TOML syntax)") from None
+
+
+def _regen_command(args: argparse.Namespace, case: str) -> str:
+    """The `baseline update` command that creates `case` with the same selection source."""
+    words = ["precision-suite", "baseline", "update", "--case", case]
+    if args.quick:
+        words.append("--quick")
+    if args.config:
+        words += ["--config", args.config]
+    if args.device:
+        words += ["--device", args.device]
+    if args.baseline_dir != DEFAULT_BASELINE_DIR:
+        words += ["--baseline-dir", args.baseline_dir]
+    return shlex.join(words)
+
+
+# --------------------------------------------------------------------------- training and judging
+
+
+def _train(runs: Any, spec: Any, label: str):
+    """`runs.run(spec)` with progress on stderr (a live line on a terminal, a few lines in CI)."""
+    started = time.monotonic()
+    print(f"{label}: training", file=sys.stderr, flush=True)
+    try:
+        ds = runs.run(spec, progress=_progress_printer(label))
+    except ValueError as exc:  # e.g. --device cuda on a machine without CUDA
+        raise UsageError(f"{label}: {exc}") from None
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"{label}: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    return ds
+
+
+def _progress_printer(label: str) -> Callable[[int, int, float], None]:
+    live = sys.stderr.isatty()
+    last_decile = [-1]
+
+    def progress(steps_done: int, total: int, loss: float) -> None:
+        line = f"{label}: step {steps_done}/{total}, loss {loss:.4g}"
+        if live:
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+            return
+        decile = (10 * steps_done) // max(total, 1)
+        if decile > last_decile[0]:  # about ten lines per case in a CI log
+            last_decile[0] = decile
+            print(line, file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _load_reference(baselines: Any, baseline_dir: str, case: str, spec_json: str, regen_hint: str):
+    try:
+        return baselines.load_baseline(baselines.baseline_path(baseline_dir, case),
+                                       expected_spec=spec_json, regen_hint=regen_hint)
+    except baselines.BaselineError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _load_rules(pyproject: str) -> tuple[tuple, dict]:
+    """Threshold rules and tolerance overrides from [tool.precision_suite]; none if no file."""
+    if not Path(pyproject).is_file() and pyproject != DEFAULT_RULES_FILE:
+        raise UsageError(f"--rules {pyproject} does not exist; give the pyproject.toml that "
+                         "holds [tool.precision_suite]")
+    from precision_suite import checks
+
+    try:
+        config = checks.load_project_config(pyproject)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(f"{exc}; fix the rule (grammar in docs/baselines.md)") from None
+    return config.rules, dict(config.tolerances)
+
+
+def _judge(case: str, current, reference, rules: Sequence, tolerances: dict, report_dir: Path):
+    """The verdict of one case, with a drift chart when anything was found."""
+    from precision_suite import baselines, charts, checks, reports
+
+    try:
+        findings = [] if reference is None else baselines.compare(current, reference, tolerances)
+    except ValueError as exc:  # a tolerance override that does not make sense
+        raise UsageError(f"tolerances: {exc}") from None
+    findings += checks.check_rules(current, rules, case)
+    chart_paths = []
+    if any(f.kind != "error" for f in findings):
+        path = report_dir / "charts" / f"{reports.case_slug(case)}-drift.png"
+        charts.plot_drift(current, reference, findings, path=path)
+        chart_paths.append(str(path))
+    return checks.verdict(case, findings, chart_paths)
+
+
+def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str) -> int:
+    from precision_suite import reports
+
+    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts)
+    for verdict in verdicts:
+        first = f": {verdict.findings[0].message}" if verdict.findings else ""
+        more = f" (+{len(verdict.findings) - 1} more)" if len(verdict.findings) > 1 else ""
+        print(f"{verdict.status.upper():5} {verdict.case}{first}{more}")
+    print(f"report: {report_dir / 'index.html'}")
+    worst = reports.overall_status([v.status for v in verdicts])
+    return EXIT_REGRESSION if worst in ("fail", "error") else EXIT_OK
+
+
+def _report_dir(given: str | None) -> Path:
+    from precision_suite import reports
+
+    if given is None:
+        return reports.new_report_dir(DEFAULT_REPORT_ROOT)
+    path = Path(given)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------- saved results
+
+
+def _result_path(folder: str, case: str) -> Path:
+    from precision_suite import reports
+
+    return Path(folder) / f"{reports.case_slug(case)}.nc"
+
+
+def _load_results(location: str, what: str) -> dict:
+    """case -> dataset for a .nc file or every .nc file in a folder."""
+    from precision_suite import runs
+
+    path = Path(location)
+    if path.is_dir():
+        files = sorted(path.glob("*.nc"))
+        if not files:
+            raise UsageError(f"{what} {path} holds no .nc files; save results with "
+                             "`precision-suite run --save-results DIR`")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise UsageError(f"{what} {path} does not exist; give a .nc result file or a folder of them")
+    results: dict = {}
+    for file in files:
+        try:
+            ds = runs.load_dataset(file)
+        except Exception as exc:  # h5py/xarray raise many types for a damaged file
+            raise UsageError(f"{what} {file} is not a readable result file ({type(exc).__name__}: "
+                             f"{exc}); write results with `precision-suite run --save-results DIR`") from None
+        case = ds.attrs.get("case")
+        if not case:
+            raise UsageError(f"{what} {file} has no `case` attribute; it was not written by "
+                             "precision-suite (use `run --save-results`)")
+        if case in results:
+            raise UsageError(f"{what} {path} holds case {case!r} twice; keep one file per case")
+        results[case] = ds
+    return results
+
+
+def _pair_results(base: dict, new: dict, base_location: str, new_location: str) -> dict:
+    """case -> (base, new); any case or spec that does not match is a usage error."""
+    from precision_suite.baselines import spec_differences
+
+    if len(base) == 1 and len(new) == 1 and Path(base_location).is_file() and Path(new_location).is_file():
+        (base_case, base_ds), (new_case, new_ds) = next(iter(base.items())), next(iter(new.items()))
+        pairs = {new_case: (base_ds, new_ds)}
+        if base_case != new_case:
+            _raise_spec_mismatch(new_case, base_ds, new_ds, spec_differences,
+                                 f"BASE is case {base_case!r}, NEW is case {new_case!r}")
+    else:
+        only_base, only_new = sorted(set(base) - set(new)), sorted(set(new) - set(base))
+        if only_base or only_new:
+            parts = ([f"only in BASE: {', '.join(only_base)}"] if only_base else []) + \
+                    ([f"only in NEW: {', '.join(only_new)}"] if only_new else [])
+            raise UsageError(f"BASE and NEW hold different cases ({'; '.join(parts)}); compare "
+                             "results of the same cases, or pass two single .nc files")
+        pairs = {case: (base[case], new[case]) for case in sorted(new)}
+    for case, (base_ds, new_ds) in pairs.items():
+        if base_ds.attrs.get("spec") != new_ds.attrs.get("spec"):
+            _raise_spec_mismatch(case, base_ds, new_ds, spec_differences, "")
+    return pairs
+
+
+def _raise_spec_mismatch(case: str, base_ds, new_ds, spec_differences, context: str) -> None:
+    def spec(ds) -> dict:
+        try:
+            value = json.loads(ds.attrs.get("spec", "{}"))
+        except (TypeError, ValueError):
+            value = None
+        return value if isinstance(value, dict) else {"spec": ds.attrs.get("spec")}
+
+    differences = spec_differences(spec(base_ds), spec(new_ds)) or ["spec attributes differ"]
+    prefix = f"{context}; " if context else f"case {case}: "
+    raise UsageError(f"{prefix}BASE and NEW were made from different specs "
+                     f"({'; '.join(differences)}, with BASE as the baseline and NEW as current); "
+                     "compare results of the same spec")
+
+
+def _parse_fail_rules(rules: Sequence[str]) -> dict[str, float]:
+    """`--fail metric:tolerance` flags as tolerance overrides {metric: tolerance}."""
+    from precision_suite.baselines import resolve_tolerances
+
+    overrides: dict[str, float] = {}
+    for rule in rules:
+        metric, sep, number = rule.partition(":")
+        try:
+            tolerance = float(number)
+        except ValueError:
+            tolerance = float("nan")
+        if not sep or not metric or not (tolerance >= 0 and tolerance != float("inf")):
+            raise UsageError(f"--fail {rule!r}: write METRIC:TOLERANCE with a finite tolerance "
+                             ">= 0, e.g. --fail underflow:1e-3")
+        overrides[metric.strip()] = tolerance
+    try:
+        resolve_tolerances(overrides)
+    except ValueError as exc:
+        from precision_suite.baselines import DEFAULT_TOLERANCES
+
+        raise UsageError(f"--fail: {exc}; metrics with a tolerance: "
+                         f"{', '.join(DEFAULT_TOLERANCES)}") from None
+    return overrides
+
+
+if __name__ == "__main__":
+    sys.exit(main())

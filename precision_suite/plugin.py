@@ -1,0 +1,324 @@
+"""pytest plugin of precision-suite, registered through the `pytest11` entry point.
+
+Any project that installs precision-suite gets:
+
+- options `--precision-regen`, `--precision-baseline-dir`, `--precision-report-dir`,
+  `--precision-device` and ini keys `precision_baseline_dir`, `precision_report_dir`,
+  `precision_device`;
+- markers `precision` (and `slow` unless the project declares it);
+- fixtures `precision_run` (run a RunSpec once per session, hand back its dataset) and
+  `precision_check` (baselines + threshold rules in one call; failing or drifting cases get a
+  chart under the report directory, attached to the test report).
+
+This module is imported in every pytest session of such a project, so it imports nothing heavy at
+module level: xarray, torch and matplotlib are imported only when a fixture is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from precision_suite.checks import CaseVerdict, Finding, ProjectConfig
+
+CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
+CASE_PROPERTY = "precision_case"
+STATUS_PROPERTY = "precision_status"
+BASELINE_PROPERTY = "precision_baseline_written"
+DEVICE_RE = re.compile(r"auto|cpu|cuda")  # the devices RunSpec accepts (runs.DEVICES)
+
+
+class PrecisionChartWarning(pytest.PytestWarning):
+    """A chart of a failing or drifting case could not be drawn (the verdict still stands)."""
+
+
+@dataclass
+class PrecisionSettings:
+    """Options of one pytest session, paths resolved."""
+
+    regen: bool
+    baseline_dir: Path
+    report_dir: Path
+    device: str
+    pyproject: Path
+    _project: ProjectConfig | None = field(default=None, repr=False)
+
+    def project(self) -> ProjectConfig:
+        """[tool.precision_suite] of the rootdir's pyproject.toml, parsed once per session."""
+        if self._project is None:
+            from precision_suite.checks import load_project_config
+
+            self._project = load_project_config(self.pyproject)
+        return self._project
+
+
+SETTINGS_KEY = pytest.StashKey[PrecisionSettings]()
+
+
+# --------------------------------------------------------------------------- options and markers
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("precision-suite", "precision-suite numerics regression checks")
+    group.addoption("--precision-regen", action="store_true", default=False,
+                    help="write the golden baselines of the precision checks that run (missing, "
+                         "stale or changed ones) instead of comparing with them")
+    group.addoption("--precision-baseline-dir", default=None, metavar="DIR",
+                    help="folder of golden baselines (default: ini precision_baseline_dir)")
+    group.addoption("--precision-report-dir", default=None, metavar="DIR",
+                    help="folder for charts of failing or drifting cases (default: ini precision_report_dir)")
+    group.addoption("--precision-device", default=None, metavar="DEVICE",
+                    help="device for precision runs whose spec says 'auto': auto, cpu or cuda "
+                         "(default: ini precision_device)")
+    parser.addini("precision_baseline_dir", "golden baseline folder, relative to rootdir",
+                  default="baselines")
+    parser.addini("precision_report_dir", "precision chart folder, relative to rootdir", default="reports")
+    parser.addini("precision_device", "device for precision runs (auto, cpu or cuda)",
+                  default="auto")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "precision: numerics regression check against golden baselines "
+                                       "and threshold rules (precision-suite)")
+    if not any(line.split(":")[0].strip() == "slow" for line in config.getini("markers")):
+        config.addinivalue_line("markers", "slow: long numerics runs; deselect with -m 'not slow'")
+    config.stash[SETTINGS_KEY] = _settings(config)
+    config.pluginmanager.register(PrecisionSummary(), PrecisionSummary.NAME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    summary = config.pluginmanager.get_plugin(PrecisionSummary.NAME)
+    if summary is not None:
+        config.pluginmanager.unregister(summary)
+
+
+def _settings(config: pytest.Config) -> PrecisionSettings:
+    def folder(option: str, ini: str) -> Path:
+        given = config.getoption(option)
+        if given is not None:  # command-line paths are relative to where pytest was started
+            return (config.invocation_params.dir / given).resolve()
+        return (config.rootpath / config.getini(ini)).resolve()
+
+    device = config.getoption("precision_device") or config.getini("precision_device")
+    if not DEVICE_RE.fullmatch(device):
+        raise pytest.UsageError(f"--precision-device / precision_device {device!r} is not a device; "
+                                "use auto, cpu or cuda")
+    return PrecisionSettings(regen=config.getoption("precision_regen"),
+                             baseline_dir=folder("precision_baseline_dir", "precision_baseline_dir"),
+                             report_dir=folder("precision_report_dir", "precision_report_dir"),
+                             device=device, pyproject=config.rootpath / "pyproject.toml")
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class RunCache:
+    """`cache(spec) -> Dataset`: runs each distinct spec once per session (per xdist worker).
+
+    The datasets are shared between tests: treat them as read-only.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._datasets: dict[str, xr.Dataset] = {}
+
+    def __call__(self, spec: Any) -> xr.Dataset:
+        from precision_suite.runs import run
+
+        spec = self.with_device(spec)
+        key = spec_json(spec)
+        if key not in self._datasets:
+            self._datasets[key] = run(spec)
+        return self._datasets[key]
+
+    def with_device(self, spec: Any) -> Any:
+        """The spec with the session's device, when the spec leaves the device to 'auto'."""
+        if self.device != "auto" and getattr(spec, "device", None) == "auto" and dataclasses.is_dataclass(spec):
+            return dataclasses.replace(spec, device=self.device)
+        return spec
+
+
+def spec_json(spec: Any) -> str:
+    """Canonical JSON of a RunSpec (its own `to_json` when it has one), the run cache key."""
+    if hasattr(spec, "to_json"):
+        return spec.to_json()
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
+    if isinstance(spec, Mapping):
+        return json.dumps(dict(spec), sort_keys=True, default=str)
+    raise TypeError(f"precision_run needs a RunSpec, got {type(spec).__name__}: {spec!r}")
+
+
+@pytest.fixture(scope="session")
+def precision_run(pytestconfig: pytest.Config) -> RunCache:
+    """`precision_run(spec) -> xarray.Dataset`, each spec trained once per session."""
+    return RunCache(pytestconfig.stash[SETTINGS_KEY].device)
+
+
+@pytest.fixture
+def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> Callable[..., CaseVerdict]:
+    """`precision_check(spec_or_dataset, rules=None, tolerances=None) -> CaseVerdict`.
+
+    Runs the spec (cached) or takes the dataset, compares it with its golden baseline (or writes
+    the baseline under --precision-regen), checks the project's rules and `rules`, charts a
+    failing or drifting case, and fails the test on a regression, violated rule or error.
+    """
+    settings = request.config.stash[SETTINGS_KEY]
+
+    def check(spec_or_dataset: Any, rules: Iterable[Any] | None = None,
+              tolerances: Mapping[str, Any] | None = None) -> CaseVerdict:
+        return _check_case(request.node, settings, precision_run, spec_or_dataset, rules, tolerances)
+
+    return check
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
+                rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None) -> CaseVerdict:
+    import xarray as xr
+
+    from precision_suite import baselines, checks
+
+    problem = None  # pytest.fail is called outside the except blocks: no chained traceback
+    try:
+        project = settings.project()
+        call_rules = checks.parse_rules(rules)
+        baselines.resolve_tolerances(project.tolerances, tolerances)
+    except (ValueError, RuntimeError) as err:
+        problem = f"precision check configuration: {err}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    ds = spec_or_dataset
+    if not isinstance(spec_or_dataset, xr.Dataset):
+        try:
+            ds = runner(spec_or_dataset)
+        except (ValueError, TypeError) as err:  # a bad spec: say what is wrong, no deep traceback
+            problem = f"precision run of {spec_or_dataset!r}: {err}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    missing = [name for name in baselines.REQUIRED_ATTRS if name not in ds.attrs]
+    if missing:
+        pytest.fail(f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
+                    "pass a RunSpec or a dataset made by precision_suite.runs.run", pytrace=False)
+    case = str(ds.attrs["case"])
+    path = baselines.baseline_path(settings.baseline_dir, case)
+
+    findings = (checks.check_rules(ds, project.rules, case)
+                + checks.check_rules(ds, call_rules, case, strict=True))
+    baseline = None
+    if settings.regen:
+        if any(f.kind in ("threshold", "error") for f in findings):
+            findings.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
+                                           float("nan"), f"{case}: baseline {path} not written: a run "
+                                           "that breaks its rules is not golden"))
+        else:
+            _regenerate(node, ds, path)
+    else:
+        hint = f"pytest '{node.nodeid}' --precision-regen  (or: {baselines.default_regen_hint(case)})"
+        try:
+            baseline = baselines.load_baseline(path, expected_spec=ds.attrs["spec"],
+                                               expected_schema_version=int(ds.attrs["schema_version"]),
+                                               regen_hint=hint)
+        except baselines.BaselineError as err:
+            findings.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
+                                           float("nan"), f"{case}: {err}"))
+        else:
+            findings = baselines.compare(ds, baseline, [project.tolerances, tolerances or {}]) + findings
+
+    chart = None
+    if any(f.kind != "error" for f in findings):
+        chart = _draw_chart(ds, baseline, findings, settings.report_dir / "charts" / f"{path.stem}.png")
+    outcome = checks.verdict(case, findings, charts=[str(chart)] if chart else ())
+    node.user_properties.append((CASE_PROPERTY, case))
+    node.user_properties.append((STATUS_PROPERTY, outcome.status))
+    if chart:
+        node.user_properties.append((CHART_PROPERTY, str(chart)))
+    if outcome.status in ("fail", "error"):
+        pytest.fail(failure_message(outcome), pytrace=False)
+    return outcome
+
+
+def _regenerate(node: pytest.Item, ds: xr.Dataset, path: Path) -> None:
+    """Write the baseline, unless it already holds exactly these numbers (no churn in git)."""
+    from precision_suite import baselines
+
+    try:
+        existing = baselines.load_baseline(path, expected_spec=ds.attrs["spec"],
+                                           expected_schema_version=int(ds.attrs["schema_version"]))
+    except baselines.BaselineError:
+        existing = None
+    if existing is None or not baselines.same_numbers(existing, ds):
+        baselines.save_baseline(ds, path)
+        node.user_properties.append((BASELINE_PROPERTY, str(path)))
+
+
+def _draw_chart(ds: xr.Dataset, baseline: xr.Dataset | None, findings: list[Finding],
+                path: Path) -> Path | None:
+    try:
+        from precision_suite.charts import plot_drift
+    except ImportError as err:
+        warnings.warn(PrecisionChartWarning(f"no chart for {ds.attrs['case']}: precision_suite.charts "
+                                            f"is not importable ({err})"), stacklevel=3)
+        return None
+    try:
+        plot_drift(ds, baseline, findings, path)
+    except Exception as err:  # a broken chart must not hide the numerics verdict
+        warnings.warn(PrecisionChartWarning(f"no chart for {ds.attrs['case']}: plot_drift failed "
+                                            f"({type(err).__name__}: {err})"), stacklevel=3)
+        return None
+    return path
+
+
+def failure_message(outcome: CaseVerdict) -> str:
+    lines = [f"precision check of {outcome.case}: {outcome.status.upper()} "
+             f"({len(outcome.findings)} finding(s))"]
+    lines += [f"  [{f.kind}] {f.message}" for f in outcome.findings]
+    lines += [f"  chart: {chart}" for chart in outcome.charts]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- terminal summary
+
+
+class PrecisionSummary:
+    """Collects cases, statuses, charts and written baselines from test reports (also those that
+    pytest-xdist workers send to the controller) and lists them at the end of the session."""
+
+    NAME = "precision_suite_summary"
+    PROPERTIES = (CASE_PROPERTY, STATUS_PROPERTY, CHART_PROPERTY, BASELINE_PROPERTY)
+
+    def __init__(self) -> None:
+        self.tests: dict[str, dict[str, list[str]]] = {}  # nodeid -> property -> values
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":  # later reports repeat the same user_properties
+            return
+        for name, value in report.user_properties:
+            if name in self.PROPERTIES:
+                self.tests.setdefault(report.nodeid, {}).setdefault(name, []).append(str(value))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        lines = []
+        for nodeid, props in self.tests.items():
+            for case, status in zip(props.get(CASE_PROPERTY, []), props.get(STATUS_PROPERTY, [])):
+                if status != "pass":
+                    lines.append(f"{status.upper():6} {case}  ({nodeid})")
+            lines += [f"chart  {chart}" for chart in props.get(CHART_PROPERTY, [])]
+            lines += [f"baseline written  {path}" for path in props.get(BASELINE_PROPERTY, [])]
+        if lines:
+            terminalreporter.write_sep("-", "precision-suite")
+            for line in lines:
+                terminalreporter.write_line(line)

@@ -1,0 +1,303 @@
+"""Report directories: what a person opens when a numerics check fails.
+
+`write_report` turns case verdicts (checks.CaseVerdict) into one folder:
+
+- `index.html`: self-contained (every chart embedded as a data URI), opens from disk or as a CI
+  artifact; failing, erroring and drifting cases first, then the passing ones.
+- `summary.md`: short Markdown for a CI job summary (`cat summary.md >> $GITHUB_STEP_SUMMARY`).
+- `summary.json`: machine-readable: every case, its status, findings and chart paths (relative
+  to the report folder).
+- `charts/`: the PNG files the other three refer to.
+
+Verdicts are read by attribute (case, status, findings, charts) and findings by their fields
+(docs/architecture.md), so this module does not import the run machinery.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as _dt
+import hashlib
+import html
+import json
+import math
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xarray as xr
+
+from precision_suite import __version__, charts as _charts
+
+STATUS_ORDER = ("fail", "error", "drift", "pass")  # report order: what needs a person first
+STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "drift": "🔶 drift", "pass": "✅ pass"}
+CHART_CHOICES = ("failing", "all")
+SUMMARY_SCHEMA_VERSION = 1
+MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
+
+
+@dataclass(frozen=True)
+class _CaseEntry:
+    verdict: object
+    charts: tuple[str, ...]  # paths relative to the report folder
+    missing_charts: tuple[str, ...]  # chart paths a verdict named that do not exist
+
+
+def new_report_dir(root: str | Path = "reports") -> Path:
+    """Create and return a fresh `root/<UTC timestamp>` folder (suffixed if one already exists)."""
+    root = Path(root)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1, 1000):
+        candidate = root / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a new report folder under {root}; clean it up")
+
+
+def write_report(verdicts: Sequence, out_dir: str | Path,
+                 datasets: Mapping[str, xr.Dataset] | None = None,
+                 charts: str = "failing") -> Path:
+    """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
+
+    `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
+    for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`,
+    which also adds one attention-norm overview per model and recipe across variants). Chart files
+    named by the verdicts (drift charts) are copied into the folder so that it stands alone.
+    """
+    if charts not in CHART_CHOICES:
+        raise ValueError(f"write_report: charts={charts!r}; use one of {', '.join(CHART_CHOICES)}")
+    unknown = sorted({str(v.status) for v in verdicts} - set(STATUS_ORDER))
+    if unknown:
+        raise ValueError(f"write_report: unknown verdict status {unknown}; expected {STATUS_ORDER}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    datasets = datasets or {}
+
+    ordered = sorted(verdicts, key=lambda v: (STATUS_ORDER.index(v.status), v.case))
+    entries = []
+    for verdict in ordered:
+        adopted, missing = _adopt_charts(out, verdict.case, verdict.charts)
+        dataset = datasets.get(verdict.case)
+        if dataset is not None and (charts == "all" or verdict.status != "pass"):
+            adopted += _draw_case_charts(out, verdict.case, dataset)
+        entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
+    overview = _draw_overviews(out, datasets) if charts == "all" else []
+
+    summary = _summary(entries, overview)
+    _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    _write_text(out / "summary.md", _markdown(summary, out))
+    _write_text(out / "index.html", _html(summary, entries, out))
+    return out
+
+
+def overall_status(statuses: Sequence[str]) -> str:
+    """The worst status among `statuses` ("pass" for none)."""
+    return min(statuses, key=STATUS_ORDER.index, default="pass")
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def case_slug(case: str) -> str:
+    """A file-name-safe form of a case id; a hash keeps ids that differ only in symbols apart."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", case).strip("_") or "case"
+    if safe == case:
+        return safe
+    return f"{safe}-{hashlib.sha1(case.encode()).hexdigest()[:8]}"
+
+
+def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], list[str]]:
+    adopted, missing = [], []
+    for raw in paths or ():
+        source = Path(raw)
+        if not source.is_file():
+            missing.append(str(raw))
+            continue
+        try:
+            adopted.append(source.resolve().relative_to(out.resolve()).as_posix())
+            continue
+        except ValueError:
+            pass
+        target = out / "charts" / f"{case_slug(case)}-{source.name}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _charts.atomic_file(target) as handle, source.open("rb") as original:
+            shutil.copyfileobj(original, handle)
+        adopted.append(target.relative_to(out).as_posix())
+    return adopted, missing
+
+
+def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
+    drawn = []
+    if "attention_norm" in ds.data_vars:
+        drawn.append(_save(out, f"{case_slug(case)}-attention-norm.png",
+                           _charts.plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
+    if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
+        drawn.append(_save(out, f"{case_slug(case)}-quant-error.png", _charts.plot_quant_error(ds)))
+    return drawn
+
+
+def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
+    """Figure A as in the paper: per (model, recipe), one line per attention variant."""
+    groups: dict[tuple[str, str], dict[str, xr.Dataset]] = {}
+    for case, ds in datasets.items():
+        if "attention_norm" not in ds.data_vars:
+            continue
+        spec = _spec_of(ds)
+        key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
+        groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
+    return [_save(out, f"overview-{case_slug(model)}-{case_slug(recipe)}-attention-norm.png",
+                  _charts.plot_attention_norm(group))
+            for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
+
+
+def _save(out: Path, name: str, fig) -> str:
+    _charts.save_figure(fig, out / "charts" / name)
+    return f"charts/{name}"
+
+
+def _spec_of(ds: xr.Dataset) -> dict:
+    try:
+        spec = json.loads(ds.attrs.get("spec", "{}"))
+    except (TypeError, ValueError):
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _jsonable(value):
+    """Plain JSON values; NaN/Inf become the strings "nan"/"inf"/"-inf" (JSON has no NaN)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str]) -> dict:
+    statuses = [str(e.verdict.status) for e in entries]
+    return {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "package_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "overall": overall_status(statuses),
+        "counts": {status: statuses.count(status) for status in STATUS_ORDER},
+        "overview_charts": list(overview),
+        "cases": [{"case": e.verdict.case, "status": e.verdict.status,
+                   "findings": [_jsonable(f) for f in e.verdict.findings],
+                   "charts": list(e.charts), "missing_charts": list(e.missing_charts)}
+                  for e in entries],
+    }
+
+
+def _headline(summary: dict) -> str:
+    counts = summary["counts"]
+    parts = [f"{counts[s]} {word}" for s, word in
+             (("fail", "failing"), ("error", "erroring"), ("drift", "drifting"), ("pass", "passing"))
+             if counts[s]]
+    return f"precision-suite: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
+
+
+def _markdown(summary: dict, out: Path) -> str:
+    def cell(text: object) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = [f"## {_headline(summary)}", "", "| status | case | findings | first finding |",
+             "|---|---|---|---|"]
+    for case in summary["cases"]:
+        first = case["findings"][0]["message"] if case["findings"] else ""
+        lines.append(f"| {STATUS_BADGE[case['status']]} | `{cell(case['case'])}` | "
+                     f"{len(case['findings'])} | {cell(first)} |")
+    for case in summary["cases"]:
+        if case["status"] == "pass":
+            continue
+        lines += ["", f"### {STATUS_BADGE[case['status']]} `{case['case']}`", ""]
+        shown = case["findings"][:MAX_FINDINGS_IN_MARKDOWN]
+        lines += [f"- {f['message']}" for f in shown]
+        if len(case["findings"]) > len(shown):
+            lines.append(f"- ... and {len(case['findings']) - len(shown)} more (see summary.json)")
+        lines += [f"- chart: `{out / path}`" for path in case["charts"]]
+    lines += ["", f"Full report: `{out / 'index.html'}` (self-contained; open it in a browser)", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;
+text-align:left;vertical-align:top}th{background:#f3f3f3}.fail{color:#b00020}.error{color:#b36b00}
+.drift{color:#a05a00}.pass{color:#1b7a2e}figure{margin:1em 0}img{max-width:100%;border:1px solid #ddd}
+figcaption{font-size:.85em;color:#555}code{background:#f6f6f6;padding:0 .2em}
+"""
+_MIME = {".png": "image/png", ".svg": "image/svg+xml"}
+
+
+def _figure_html(out: Path, rel: str) -> str:
+    path = out / rel
+    mime = _MIME.get(path.suffix.lower())
+    if mime is None:
+        return f'<p><a href="{html.escape(rel)}">{html.escape(rel)}</a></p>'
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return (f'<figure><img src="data:{mime};base64,{data}" alt="{html.escape(rel)}" '
+            f'data-chart="{html.escape(rel)}"><figcaption>{html.escape(rel)}</figcaption></figure>')
+
+
+def _findings_table(findings: Sequence[dict]) -> str:
+    if not findings:
+        return "<p>No findings.</p>"
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+            f.get("kind"), f.get("metric"),
+            ", ".join(f"{k}={v}" for k, v in (f.get("where") or {}).items()),
+            f.get("value"), f.get("reference"), f.get("tolerance"), f.get("message"))) + "</tr>"
+        for f in findings)
+    return ("<table><tr><th>kind</th><th>metric</th><th>where</th><th>value</th>"
+            f"<th>reference</th><th>tolerance</th><th>message</th></tr>{rows}</table>")
+
+
+def _html(summary: dict, entries: Sequence[_CaseEntry], out: Path) -> str:
+    esc = html.escape
+    overview_rows = "".join(
+        f'<tr><td class="{esc(c["status"])}">{esc(STATUS_BADGE[c["status"]])}</td>'
+        f'<td><a href="#case-{i}">{esc(c["case"])}</a></td><td>{len(c["findings"])}</td></tr>'
+        for i, c in enumerate(summary["cases"]))
+    sections = []
+    for i, case in enumerate(summary["cases"]):
+        missing = "".join(f"<p class=\"error\">chart not found: <code>{esc(p)}</code></p>"
+                          for p in case["missing_charts"])
+        sections.append(
+            f'<section id="case-{i}"><h2 class="{esc(case["status"])}">'
+            f'{esc(STATUS_BADGE[case["status"]])} {esc(case["case"])}</h2>'
+            f'{_findings_table(case["findings"])}{missing}'
+            + "".join(_figure_html(out, rel) for rel in case["charts"]) + "</section>")
+    overview = "".join(_figure_html(out, rel) for rel in summary["overview_charts"])
+    overview_section = f"<section><h2>Attention norm overview</h2>{overview}</section>" if overview else ""
+    headline = esc(_headline(summary))
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{headline}</title><style>{_CSS}</style></head><body>"
+            f"<h1 class=\"{esc(summary['overall'])}\">{headline}</h1>"
+            f"<p>Created {esc(summary['created'])} by precision-suite {esc(summary['package_version'])}. "
+            f"Machine-readable: <code>summary.json</code>.</p>"
+            f"<table><tr><th>status</th><th>case</th><th>findings</th></tr>{overview_rows}</table>"
+            f"{''.join(sections)}{overview_section}</body></html>\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    with _charts.atomic_file(path) as handle:
+        handle.write(text.encode("utf-8"))

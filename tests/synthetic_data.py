@@ -1,0 +1,84 @@
+"""Synthetic run datasets that follow docs/architecture.md (run dataset schema, version 1).
+
+Charts, reports and the CLI only depend on that schema, so their tests build datasets here instead
+of training. The numbers are shaped like the seed figures (attention norm growing over steps,
+small (1, 128) underflow, larger (128, 1) gradient-transpose underflow, distortion near 1) and are
+fully determined by the seed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import xarray as xr
+
+TENSORS = ("activation", "gradient", "gradient_transpose", "weight")
+LAYOUTS = ("1x128", "128x1", "128x128")
+QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
+
+# which (tensor, layout) pairs a run measures; every other pair is NaN, as the schema says
+MEASURED = {("activation", "1x128"), ("gradient", "1x128"), ("gradient_transpose", "128x1"),
+            ("weight", "128x128")}
+
+
+def spec_dict(model: str = "vit", attention: str = "softmax", recipe: str = "fp32",
+              steps: int = 40, batch_size: int = 8, seed: int = 0, sample_every: int = 10) -> dict:
+    """The RunSpec fields a dataset's `spec` attribute holds (as JSON)."""
+    return {"model": model, "attention": attention, "recipe": recipe, "extra_formats": [],
+            "steps": steps, "batch_size": batch_size, "seed": seed, "device": "cpu",
+            "sample_every": sample_every}
+
+
+def case_name(spec: dict) -> str:
+    return f"{spec['model']}-{spec['attention']}-{spec['recipe']}"
+
+
+def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str = "fp32",
+                     depth: int = 6, steps: int = 40, sample_every: int = 10,
+                     tokens_per_step: int = 512, seed: int = 0, growth: float = 1.0) -> xr.Dataset:
+    """A dataset with the schema of `runs.run(spec)`; `growth` scales the attention-norm growth."""
+    spec = spec_dict(model, attention, recipe, steps, 8, seed, sample_every)
+    rng = np.random.default_rng(seed)
+    sampled = np.unique(np.r_[np.arange(0, steps, sample_every), steps - 1]).astype(np.int64)
+    train_step = np.arange(steps, dtype=np.int64)
+    layer = np.arange(depth, dtype=np.int64)
+    progress = (sampled / max(steps - 1, 1))[:, None]
+    depth_factor = (1.0 + layer / max(depth - 1, 1))[None, :]
+    attention_norm = 2.0 * np.exp(growth * 3.0 * progress * depth_factor) \
+        * (1.0 + 0.05 * rng.random((sampled.size, depth)))
+
+    shape = (sampled.size, depth, len(TENSORS), len(LAYOUTS))
+    measured = np.zeros(shape[2:], dtype=bool)
+    for t, tensor in enumerate(TENSORS):
+        for lo, layout in enumerate(LAYOUTS):
+            measured[t, lo] = (tensor, layout) in MEASURED
+    transpose = np.zeros(shape[2:], dtype=bool)
+    transpose[TENSORS.index("gradient_transpose"), LAYOUTS.index("128x1")] = True
+    base_underflow = np.where(transpose, 3e-2, 2e-4)
+    underflow = base_underflow * (1.0 + rng.random(shape))
+    distortion = 1.0 - np.where(transpose, 1e-2, 2e-4) * (1.0 + rng.random(shape))
+    metrics = {
+        "underflow": underflow,
+        "zeros_after": underflow * 1.5,
+        "overflow": np.zeros(shape),
+        "distortion": distortion,
+        "sqnr_db": 30.0 + 3.0 * rng.random(shape),
+        "mse": 1e-6 * (1.0 + rng.random(shape)),
+    }
+    dims4 = ("step", "layer", "tensor", "layout")
+    data_vars = {name: (dims4, np.where(measured, values, np.nan)) for name, values in metrics.items()}
+    data_vars["attention_norm"] = (("step", "layer"), attention_norm)
+    data_vars["nonfinite"] = (("step", "layer", "tensor"),
+                              np.zeros((sampled.size, depth, len(TENSORS)), dtype=np.int64))
+    data_vars["loss"] = (("train_step",), 2.5 * np.exp(-train_step / steps) + 0.01 * rng.random(steps))
+    data_vars["accuracy"] = (("train_step",), 1.0 - np.exp(-train_step / steps))
+    return xr.Dataset(
+        data_vars,
+        coords={"step": sampled, "tokens": ("step", (sampled + 1) * tokens_per_step),
+                "layer": layer, "tensor": list(TENSORS), "layout": list(LAYOUTS),
+                "train_step": train_step},
+        attrs={"schema_version": 1, "case": case_name(spec), "spec": json.dumps(spec),
+               "fingerprint": json.dumps({"torch": "synthetic", "device": "cpu", "threads": 1}),
+               "package_version": "0.1.0"},
+    )

@@ -1,0 +1,45 @@
+"""Probe overhead on the default GPT: 10 training steps with probes off, every 10th step, every step.
+
+Measure with ``pytest tests/test_bench_probes.py --benchmark-enable`` and divide the means by the
+``off`` mean (figures in docs/runs.md). Without --benchmark-enable each mode runs once as a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from precision_suite.runs import RunSpec, Trainer
+
+STEPS_PER_ROUND = 10
+SAMPLE_EVERY = {"off": None, "every-10th": 10, "every-step": 1}
+
+
+@pytest.fixture
+def default_gpt_trainer():
+    spec = RunSpec(model="gpt", device="cpu")  # default sizes: depth 18, width 128, 8 x 64 tokens
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            yield Trainer(spec.validate(), torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(SAMPLE_EVERY))
+def test_step_time_with_probes(benchmark, default_gpt_trainer, mode):
+    every = SAMPLE_EVERY[mode]
+
+    def train_round() -> list:
+        return [
+            default_gpt_trainer.step(sample=every is not None and i % every == 0)[2]
+            for i in range(STEPS_PER_ROUND)
+        ]
+
+    benchmark.group = f"probe overhead: default GPT, {STEPS_PER_ROUND} steps"
+    records = benchmark.pedantic(train_round, rounds=3, warmup_rounds=1)
+    expected_samples = 0 if every is None else STEPS_PER_ROUND // every
+    assert sum(r is not None for r in records) == expected_samples

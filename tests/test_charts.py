@@ -1,0 +1,181 @@
+"""Charts are checked for content (panels, lines, data, labels, scales), and for byte determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from matplotlib.collections import PathCollection, PolyCollection
+
+from precision_suite import charts
+from precision_suite.baselines import compare, tolerance_band
+from precision_suite.checks import Finding, check_rules
+from synthetic_data import make_run_dataset
+
+
+def _data_axes(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+def _texts(ax) -> str:
+    return " ".join(t.get_text() for t in ax.texts)
+
+
+def test_attention_norm_default_layers_one_line_per_variant_log_y():
+    variants = {name: make_run_dataset(attention=name, depth=12, growth=g)
+                for name, g in (("softmax", 0.1), ("x/1", 1.0), ("x^3/sqrt(N)", 0.5))}
+    fig = charts.plot_attention_norm(variants)
+    axes = _data_axes(fig)
+    assert [ax.get_title() for ax in axes] == ["layer 1", "layer 11"]  # an early and the last
+    for ax, layer in zip(axes, (1, 11)):
+        assert ax.get_yscale() == "log"
+        assert ax.get_xlabel() == "training step"
+        assert "norm" in ax.get_ylabel()
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == list(variants)
+        for line, ds in zip(lines, variants.values()):
+            np.testing.assert_array_equal(line.get_xdata(), ds["step"].values)
+            np.testing.assert_array_equal(line.get_ydata(), ds["attention_norm"].sel(layer=layer).values)
+    title = fig.get_suptitle()
+    assert "model vit" in title and "recipe fp32" in title
+    legend_labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend_labels == list(variants)
+
+
+def test_attention_norm_single_run_title_names_the_case_and_tokens_axis():
+    ds = make_run_dataset(depth=4)
+    fig = charts.plot_attention_norm({"softmax": ds}, layers=[0, 2, 3], x="tokens")
+    axes = _data_axes(fig)
+    assert [ax.get_title() for ax in axes] == ["layer 0", "layer 2", "layer 3"]
+    assert ds.attrs["case"] in fig.get_suptitle()
+    assert axes[0].get_xlabel() == "tokens seen"
+    np.testing.assert_array_equal(axes[0].get_lines()[0].get_xdata(), ds["tokens"].values)
+
+
+def test_attention_norm_counts_points_a_log_axis_cannot_draw():
+    ds = make_run_dataset(depth=3)
+    ds["attention_norm"][1, 1] = np.nan
+    ds["attention_norm"][2, 1] = 0.0
+    fig = charts.plot_attention_norm({"softmax": ds}, layers=[1])
+    assert "2 NaN/Inf/non-positive point(s) not drawn" in _texts(_data_axes(fig)[0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"datasets": {}}, "empty"),
+    ({"x": "epoch"}, "x='epoch'"),
+    ({"layers": [7]}, "layers [7] not available"),
+])
+def test_attention_norm_bad_arguments_say_what_to_do(kwargs, message):
+    arguments = {"datasets": {"softmax": make_run_dataset(depth=4)}, **kwargs}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        charts.plot_attention_norm(**arguments)
+
+
+def test_quant_error_is_a_2x3_grid_over_tokens_with_every_4th_layer():
+    ds = make_run_dataset(model="gpt", recipe="fp8-block", depth=18)
+    fig = charts.plot_quant_error(ds)
+    axes = _data_axes(fig)
+    assert [ax.get_title() for ax in axes] == [
+        "activations underflow (1,128)", "gradients underflow (1,128)",
+        "gradient transpose underflow (128,1)", "activations distortion (1,128)",
+        "gradients distortion (1,128)", "gradient transpose distortion (128,1)"]
+    pairs = [("activation", "1x128"), ("gradient", "1x128"), ("gradient_transpose", "128x1")] * 2
+    metrics = ["underflow"] * 3 + ["distortion"] * 3
+    for ax, (tensor, layout), metric in zip(axes, pairs, metrics):
+        assert ax.get_xlabel() == "tokens seen"
+        assert ax.get_ylabel() == charts.METRIC_UNITS[metric]
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == [f"layer {n}" for n in (0, 4, 8, 12, 16)]
+        for line, layer in zip(lines, (0, 4, 8, 12, 16)):
+            np.testing.assert_array_equal(line.get_xdata(), ds["tokens"].values)
+            expected = ds[metric].sel(layer=layer, tensor=tensor, layout=layout).values
+            np.testing.assert_array_equal(line.get_ydata(), expected)
+    assert ds.attrs["case"] in fig.get_suptitle()
+
+
+def test_quant_error_panel_of_an_unmeasured_pair_says_so():
+    ds = make_run_dataset(depth=4)
+    ds["underflow"].loc[dict(tensor="gradient_transpose", layout="128x1")] = np.nan
+    fig = charts.plot_quant_error(ds, layers=[0, 3])
+    top_right = _data_axes(fig)[2]
+    assert top_right.get_lines() == []
+    assert "not measured" in _texts(top_right)
+    assert len(_data_axes(fig)[5].get_lines()) == 2  # distortion of the same pair is still drawn
+
+
+def test_quant_error_rejects_a_dataset_without_the_schema():
+    ds = make_run_dataset(depth=4).drop_vars("distortion")
+    with pytest.raises(ValueError, match="lacks distortion"):
+        charts.plot_quant_error(ds)
+
+
+def _planted_regression():
+    baseline = make_run_dataset(model="gpt", recipe="fp8-block", depth=8)
+    current = baseline.copy(deep=True)
+    cell = dict(layer=4, tensor="gradient_transpose", layout="128x1")
+    current["underflow"].loc[cell] = current["underflow"].loc[cell] + 0.05
+    return current, baseline, cell
+
+
+def test_drift_chart_draws_current_baseline_band_and_marks_the_offending_step():
+    current, baseline, cell = _planted_regression()
+    findings = compare(current, baseline)
+    regressions = [f for f in findings if f.kind == "regression"]
+    assert [f.metric for f in regressions] == ["underflow"] and regressions[0].where["layer"] == 4
+    fig = charts.plot_drift(current, baseline, findings)
+    (ax,) = _data_axes(fig)
+    assert ax.get_title() == "underflow gradient_transpose 128x1"
+    assert current.attrs["case"] in fig.get_suptitle()
+    current_line, baseline_line = ax.get_lines()[:2]
+    assert current_line.get_label() == "layer 4 current" and baseline_line.get_label() == "layer 4 baseline"
+    np.testing.assert_array_equal(current_line.get_ydata(), current["underflow"].sel(cell).values)
+    np.testing.assert_array_equal(baseline_line.get_ydata(), baseline["underflow"].sel(cell).values)
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    lower, upper = tolerance_band("underflow", baseline["underflow"].sel(cell).values,
+                                  regressions[0].tolerance)
+    band_y = band.get_paths()[0].vertices[:, 1]
+    assert np.isclose(band_y.min(), lower.min()) and np.isclose(band_y.max(), upper.max())
+    (marks,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+    np.testing.assert_allclose(marks.get_offsets(),
+                               [[regressions[0].where["step"], regressions[0].value]])
+
+
+def test_drift_chart_of_threshold_findings_draws_the_bound_without_a_baseline():
+    ds = make_run_dataset(depth=4, growth=1.0)
+    findings = check_rules(ds, ["attention_norm <= 20 @ layer=3"])
+    assert findings and all(f.kind == "threshold" for f in findings)
+    fig = charts.plot_drift(ds, None, findings)
+    (ax,) = _data_axes(fig)
+    assert ax.get_yscale() == "log"
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["layer 3 current", "bound 20"]
+    assert "thresholds" in fig.get_suptitle()
+
+
+def test_drift_chart_without_chartable_findings_says_so():
+    ds = make_run_dataset(depth=2)
+    error = Finding(ds.attrs["case"], "error", "underflow", {}, np.nan, np.nan, np.nan, "no baseline")
+    fig = charts.plot_drift(ds, None, [error])
+    assert "no per-metric findings" in " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_same_input_gives_identical_file_bytes(tmp_path, suffix):
+    def draw(name):
+        ds = make_run_dataset(model="gpt", depth=9, seed=3)
+        return charts.save_figure(charts.plot_quant_error(ds), tmp_path / f"{name}.{suffix}")
+
+    first, second = draw("a"), draw("b")
+    assert first.read_bytes() == second.read_bytes()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files
+
+
+def test_different_input_gives_different_bytes(tmp_path):
+    a = charts.save_figure(charts.plot_quant_error(make_run_dataset(seed=1)), tmp_path / "a.png")
+    b = charts.save_figure(charts.plot_quant_error(make_run_dataset(seed=2)), tmp_path / "b.png")
+    assert a.read_bytes() != b.read_bytes()
+
+
+def test_save_figure_rejects_unknown_file_types(tmp_path):
+    fig = charts.plot_attention_norm({"softmax": make_run_dataset(depth=2)})
+    with pytest.raises(ValueError, match=r"\.png, \.svg or \.pdf"):
+        charts.save_figure(fig, tmp_path / "chart.jpeg")

@@ -1,0 +1,254 @@
+"""The precision-suite command line: exit codes, messages, reports, compare, baselines.
+
+Training is replaced by synthetic datasets (tests/synthetic_data.py) shaped by each RunSpec, so
+these tests check the command line itself in seconds; one test at the end trains for real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_suite import __version__, cli, runs
+from precision_suite.runs import RunSpec, case_id
+from synthetic_data import make_run_dataset
+
+TINY_CONFIG = """
+[[case]]
+model = "vit"
+attention = "softmax"
+recipe = "fp32"
+
+[[case]]
+model = "vit"
+attention = "x/1"
+recipe = "fp32"
+"""
+PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
+
+
+def _synthetic(spec: RunSpec, planted: bool = False):
+    ds = make_run_dataset(model=spec.model, attention=spec.attention, recipe=spec.recipe, depth=4)
+    ds.attrs.update(case=case_id(spec), spec=spec.to_json())
+    if planted:
+        ds["underflow"].loc[PLANTED] = ds["underflow"].loc[PLANTED] + 0.1
+    return ds
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty project folder (no pyproject rules) holding the tiny config."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cases.toml").write_text(TINY_CONFIG)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """runs.run replaced by synthetic data; `planted` holds case ids that get a regression."""
+    planted: set[str] = set()
+    trained: list[RunSpec] = []
+
+    def fake_run(spec, progress=None):
+        trained.append(spec)
+        for step in range(1, spec.steps + 1):
+            if progress is not None:
+                progress(step, spec.steps, 1.0 / step)
+        return _synthetic(spec, planted=case_id(spec) in planted)
+
+    monkeypatch.setattr(runs, "run", fake_run)
+    return planted, trained
+
+
+def _summary(report_dir: Path) -> dict:
+    return json.loads((report_dir / "summary.json").read_text())
+
+
+def test_version_and_help_exit_zero(capsys):
+    assert cli.main(["--version"]) == 0
+    assert __version__ in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    help_text = capsys.readouterr().out
+    for command in ("run", "compare", "baseline", "report"):
+        assert command in help_text
+    assert "exit status" in help_text
+
+
+def test_no_command_and_unknown_flags_are_usage_errors(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["run", "--no-such-flag"]) == 2
+    assert cli.main(["baseline"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_selection_outside_the_matrix_says_what_exists(workdir, capsys):
+    assert cli.main(["run", "--attention", "x^9/1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("precision-suite: error: --attention x^9/1 is not in the default matrix")
+    assert "softmax" in err and "--config" in err and "Traceback" not in err
+
+
+def test_quick_matrix_is_a_subset_of_the_default_matrix():
+    quick, full = cli.default_matrix(quick=True), cli.default_matrix(quick=False)
+    assert quick and set(quick) < set(full)  # same specs, so both share baselines
+    assert len({case_id(spec) for spec in full}) == len(full)
+    for spec in full:
+        spec.validate()
+
+
+def test_missing_baseline_is_a_configuration_error_naming_the_command(workdir, fake_training, capsys):
+    _, trained = fake_training
+    assert cli.main(["run", "--config", "cases.toml"]) == 2
+    err = capsys.readouterr().err
+    assert "no baseline" in err
+    assert "create it with: precision-suite baseline update --case vit-softmax-fp32 --config cases.toml" in err
+    assert trained == []  # nothing trains before every baseline is known to exist
+
+
+def test_baseline_update_then_run_passes_and_writes_a_report(workdir, fake_training, capsys):
+    assert cli.main(["baseline", "update", "--config", "cases.toml"]) == 0
+    assert sorted(p.name for p in (workdir / "baselines").iterdir()) == \
+        ["vit-softmax-fp32.nc", "vit-x-1-fp32.nc"]
+    capsys.readouterr()
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 0
+    captured = capsys.readouterr()
+    assert "step 50/50" in captured.err  # progress goes to stderr
+    assert "PASS  vit-softmax-fp32" in captured.out and "report: out/index.html" in captured.out
+    summary = _summary(workdir / "out")
+    assert summary["overall"] == "pass" and len(summary["cases"]) == 2
+
+
+def test_planted_regression_exits_1_with_a_chart_of_the_case(workdir, fake_training, capsys):
+    planted, _ = fake_training
+    assert cli.main(["baseline", "update", "--config", "cases.toml"]) == 0
+    planted.add("vit-x-1-fp32")
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
+    assert "FAIL  vit-x-1-fp32: vit-x-1-fp32: underflow regressed at layer 2" in capsys.readouterr().out
+    summary = _summary(workdir / "out")
+    assert summary["overall"] == "fail"
+    failed = summary["cases"][0]
+    assert failed["case"] == "vit-x-1-fp32" and failed["status"] == "fail"
+    drift_chart = workdir / "out" / failed["charts"][0]
+    assert drift_chart.name == "vit-x-1-fp32-drift.png" and drift_chart.stat().st_size > 0
+    assert failed["charts"][0] in (workdir / "out" / "index.html").read_text()
+    assert summary["cases"][1] == {**summary["cases"][1], "case": "vit-softmax-fp32", "status": "pass"}
+
+
+def test_failing_comparison_never_touches_the_baseline(workdir, fake_training):
+    planted, _ = fake_training
+    assert cli.main(["baseline", "update", "--config", "cases.toml"]) == 0
+    before = (workdir / "baselines" / "vit-x-1-fp32.nc").read_bytes()
+    planted.add("vit-x-1-fp32")
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
+    assert (workdir / "baselines" / "vit-x-1-fp32.nc").read_bytes() == before
+
+
+def test_rules_from_pyproject_are_checked(workdir, fake_training, capsys):
+    assert cli.main(["baseline", "update", "--config", "cases.toml"]) == 0
+    (workdir / "pyproject.toml").write_text(
+        '[tool.precision_suite]\nrules = ["attention_norm <= 3 @ layer=3"]\n')
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
+    assert "rule 'attention_norm <= 3 @ layer=3' violated" in capsys.readouterr().out
+    (workdir / "pyproject.toml").write_text('[tool.precision_suite]\nrules = ["attention_norm <<= 3"]\n')
+    assert cli.main(["run", "--config", "cases.toml"]) == 2
+    assert "rule 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, message", [
+    ('[[case]]\nmodel = "vit"\ncolour = "red"\n', "unknown field(s) colour"),
+    ('[[case]]\nmodel = "vit"\nsteps = 0\n', "steps must be a positive integer"),
+    ("[[case]\n", "TOML"),
+    ("title = 'no cases'\n", "no [[case]] tables"),
+])
+def test_bad_config_files_are_usage_errors(workdir, capsys, config, message):
+    (workdir / "bad.toml").write_text(config)
+    assert cli.main(["run", "--config", "bad.toml"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "bad.toml" in err and "Traceback" not in err
+
+
+def test_report_from_saved_results_without_training(workdir, fake_training, capsys):
+    _, trained = fake_training
+    assert cli.main(["baseline", "update", "--config", "cases.toml"]) == 0
+    assert cli.main(["run", "--config", "cases.toml", "--save-results", "results",
+                     "--report-dir", "first"]) == 0
+    trained.clear()
+    assert cli.main(["report", "results", "--report-dir", "again"]) == 0
+    assert trained == []
+    summary = _summary(workdir / "again")
+    assert {c["case"] for c in summary["cases"]} == {"vit-softmax-fp32", "vit-x-1-fp32"}
+    assert all(len(c["charts"]) == 2 for c in summary["cases"])  # figures A and B of every case
+    assert summary["overview_charts"]
+    assert cli.main(["report", "nothing-here"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def _save(folder: Path, ds) -> Path:
+    return runs.save_dataset(ds, folder / f"{ds.attrs['case']}.nc")
+
+
+def test_compare_files_with_mismatched_specs_fails_clearly(workdir, capsys):
+    base = _save(workdir / "a", _synthetic(RunSpec(model="vit", attention="softmax")))
+    new = _save(workdir / "b", _synthetic(RunSpec(model="vit", attention="softmax", steps=60)))
+    assert cli.main(["compare", str(base), str(new)]) == 2
+    err = capsys.readouterr().err
+    assert "different specs" in err and "steps: baseline 50, current 60" in err
+    other = _save(workdir / "c", _synthetic(RunSpec(model="vit", attention="x/1")))
+    assert cli.main(["compare", str(base), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "BASE is case 'vit-softmax-fp32', NEW is case 'vit-x-1-fp32'" in err
+    assert "attention: baseline 'softmax', current 'x/1'" in err
+
+
+def test_compare_folders_exit_codes_and_fail_overrides(workdir, capsys):
+    specs = [RunSpec(model="vit", attention=a) for a in ("softmax", "x/1")]
+    for spec in specs:
+        _save(workdir / "base", _synthetic(spec))
+        _save(workdir / "same", _synthetic(spec))
+        _save(workdir / "worse", _synthetic(spec, planted=spec.attention == "x/1"))
+    assert cli.main(["compare", "base", "same", "--report-dir", "r1"]) == 0
+    assert cli.main(["compare", "base", "worse", "--report-dir", "r2"]) == 1
+    assert _summary(workdir / "r2")["cases"][0]["case"] == "vit-x-1-fp32"
+    # a looser underflow tolerance on the command line accepts the planted +0.1
+    assert cli.main(["compare", "base", "worse", "--fail", "underflow:0.5", "--report-dir", "r3"]) == 0
+    # and a tighter one catches a change that the default tolerance (5e-4) accepts
+    for spec in specs:
+        slightly = _synthetic(spec)
+        slightly["underflow"].loc[PLANTED] = slightly["underflow"].loc[PLANTED] + 1e-4
+        _save(workdir / "slightly", slightly)
+    assert cli.main(["compare", "base", "slightly", "--report-dir", "r4"]) == 0
+    assert cli.main(["compare", "base", "slightly", "--fail", "underflow:1e-5", "--report-dir", "r5"]) == 1
+    capsys.readouterr()
+    for bad in ("underflow", "underflow:-1", "underflow:abc", "bogus_metric:1"):
+        assert cli.main(["compare", "base", "worse", "--fail", bad]) == 2
+        assert "--fail" in capsys.readouterr().err
+
+
+def test_compare_folders_with_different_cases_fail_clearly(workdir, capsys):
+    _save(workdir / "base", _synthetic(RunSpec(model="vit", attention="softmax")))
+    _save(workdir / "base", _synthetic(RunSpec(model="vit", attention="x/1")))
+    _save(workdir / "new", _synthetic(RunSpec(model="vit", attention="softmax")))
+    assert cli.main(["compare", "base", "new"]) == 2
+    assert "only in BASE: vit-x-1-fp32" in capsys.readouterr().err
+    (workdir / "empty").mkdir()
+    assert cli.main(["compare", "base", "empty"]) == 2
+    assert "holds no .nc files" in capsys.readouterr().err
+    (workdir / "junk.nc").write_text("not netcdf")
+    assert cli.main(["compare", "junk.nc", "junk.nc"]) == 2
+    assert "not a readable result file" in capsys.readouterr().err
+
+
+def test_real_training_end_to_end(workdir, capsys):
+    """No fakes: a two-step tiny ViT trains, becomes a baseline and then passes against it."""
+    (workdir / "tiny.toml").write_text(
+        '[[case]]\nmodel = "vit"\nattention = "x^3/sqrt(N)"\nrecipe = "fp8-block"\n'
+        "steps = 2\nsample_every = 1\ndepth = 2\nwidth = 128\nbatch_size = 8\ndevice = \"cpu\"\n")
+    assert cli.main(["baseline", "update", "--config", "tiny.toml"]) == 0
+    assert cli.main(["run", "--config", "tiny.toml", "--report-dir", "out"]) == 0
+    summary = _summary(workdir / "out")
+    assert [(c["case"], c["status"]) for c in summary["cases"]] == [("vit-x3-sqrtN-fp8-block", "pass")]
+    assert np.isfinite(runs.load_dataset(workdir / "baselines" / "vit-x3-sqrtN-fp8-block.nc")
+                       ["attention_norm"].values).all()

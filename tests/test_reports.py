@@ -1,0 +1,162 @@
+"""Report directories: content of index.html, summary.md and summary.json, order, charts."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_suite import charts, reports
+from precision_suite.baselines import compare
+from precision_suite.checks import CaseVerdict, Finding, verdict
+from synthetic_data import make_run_dataset
+
+
+class _Images(HTMLParser):
+    """Collects <img> tags and section headings; html.parser raises nothing, so also count tags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.images: list[dict] = []
+        self.headings: list[str] = []
+        self._in_heading = False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs))
+        self._in_heading = tag == "h2"
+
+    def handle_data(self, data):
+        if self._in_heading:
+            self.headings.append(data)
+            self._in_heading = False
+
+
+def _parse(path: Path) -> _Images:
+    parser = _Images()
+    parser.feed(path.read_text(encoding="utf-8"))
+    parser.close()
+    return parser
+
+
+def _strict_json(path: Path):
+    def no_constants(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constants)
+
+
+def _planted_case(tmp_path: Path):
+    """A GPT case whose layer-2 gradient-transpose underflow jumps: a regression with a chart."""
+    baseline = make_run_dataset(model="gpt", recipe="fp8-block", depth=6)
+    current = baseline.copy(deep=True)
+    cell = dict(layer=2, tensor="gradient_transpose", layout="128x1")
+    current["underflow"].loc[cell] = current["underflow"].loc[cell] + 0.1
+    findings = compare(current, baseline)
+    chart = charts.save_figure(charts.plot_drift(current, baseline, findings),
+                               tmp_path / "plugin-charts" / "drift.png")
+    return current, verdict(current.attrs["case"], findings, [str(chart)])
+
+
+def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
+    current, failing = _planted_case(tmp_path)
+    passing_ds = make_run_dataset(attention="x/1")
+    passing = verdict(passing_ds.attrs["case"], [])
+    out = reports.write_report([passing, failing], tmp_path / "report",
+                               datasets={current.attrs["case"]: current,
+                                         passing_ds.attrs["case"]: passing_ds})
+
+    summary = _strict_json(out / "summary.json")
+    assert summary["overall"] == "fail"
+    assert [c["case"] for c in summary["cases"]] == [failing.case, passing.case]  # failing first
+    failed = summary["cases"][0]
+    assert failed["status"] == "fail"
+    assert any(f["kind"] == "regression" and f["metric"] == "underflow" and f["where"]["layer"] == 2
+               for f in failed["findings"])
+    # the drift chart is copied in, and figures A and B of the failing case are drawn
+    assert failed["charts"][0].startswith("charts/") and failed["charts"][0].endswith("drift.png")
+    assert any(c.endswith("quant-error.png") for c in failed["charts"])
+    assert any(c.endswith("attention-norm.png") for c in failed["charts"])
+    assert summary["cases"][1]["charts"] == []  # passing cases get charts only on request
+    for chart in failed["charts"]:
+        assert (out / chart).is_file()
+
+    page = _parse(out / "index.html")
+    charted = [img["data-chart"] for img in page.images]
+    assert charted == failed["charts"]
+    for img in page.images:
+        assert img["src"].startswith("data:image/png;base64,")  # opens from disk, self-contained
+    assert any(failing.case in heading for heading in page.headings)
+
+    markdown = (out / "summary.md").read_text(encoding="utf-8")
+    assert markdown.startswith("## precision-suite: FAIL (1 failing, 1 passing)")
+    assert f"`{failing.case}`" in markdown and "underflow regressed" in markdown
+
+
+def test_cases_are_ordered_fail_error_drift_pass(tmp_path):
+    made = [verdict(f"case-{status}", findings) for status, findings in (
+        ("pass", []),
+        ("drift", [Finding("case-drift", "drift", "loss", {}, 1.0, 2.0, 0.1, "better")]),
+        ("error", [Finding("case-error", "error", "loss", {}, np.nan, np.nan, np.nan, "broken")]),
+        ("fail", [Finding("case-fail", "threshold", "loss", {}, 3.0, 2.0, np.nan, "too high")]),
+    )]
+    out = reports.write_report(made, tmp_path)
+    summary = _strict_json(out / "summary.json")
+    assert [c["status"] for c in summary["cases"]] == ["fail", "error", "drift", "pass"]
+    assert summary["counts"] == {"fail": 1, "error": 1, "drift": 1, "pass": 1}
+    nan_finding = summary["cases"][1]["findings"][0]
+    assert nan_finding["value"] == "nan"  # JSON has no NaN; strict parsing above succeeded
+
+
+def test_charts_all_draws_every_case_and_a_variant_overview(tmp_path):
+    datasets = {ds.attrs["case"]: ds for ds in (make_run_dataset(attention="softmax"),
+                                                make_run_dataset(attention="x/1", growth=2.0))}
+    made = [verdict(case, []) for case in datasets]
+    out = reports.write_report(made, tmp_path, datasets=datasets, charts="all")
+    summary = _strict_json(out / "summary.json")
+    assert all(len(c["charts"]) == 2 for c in summary["cases"])
+    assert summary["overview_charts"] == ["charts/overview-vit-fp32-attention-norm.png"]
+    referenced = {img["data-chart"] for img in _parse(out / "index.html").images}
+    every_chart = {c for case in summary["cases"] for c in case["charts"]} | set(summary["overview_charts"])
+    assert referenced == every_chart
+    assert {p.relative_to(out).as_posix() for p in (out / "charts").iterdir()} == every_chart
+
+
+def test_missing_chart_file_is_reported_not_fatal(tmp_path):
+    finding = Finding("c", "threshold", "loss", {}, 3.0, 2.0, np.nan, "too high")
+    made = CaseVerdict("c", "fail", (finding,), (str(tmp_path / "gone.png"),))
+    out = reports.write_report([made], tmp_path / "r")
+    case = _strict_json(out / "summary.json")["cases"][0]
+    assert case["charts"] == [] and case["missing_charts"] == [str(tmp_path / "gone.png")]
+    assert "chart not found" in (out / "index.html").read_text(encoding="utf-8")
+
+
+def test_case_ids_with_symbols_get_distinct_safe_file_names():
+    names = {reports.case_slug(case) for case in ("vit-x^3/1-fp32", "vit-x^3_1-fp32", "vit-x3-1-fp32")}
+    assert len(names) == 3
+    assert all("/" not in name and "^" not in name for name in names)
+    assert reports.case_slug("vit-x3-1-fp32") == "vit-x3-1-fp32"
+
+
+def test_report_leaves_no_temp_files_and_html_escapes_messages(tmp_path):
+    finding = Finding("<b>case</b>", "threshold", "loss", {}, 3.0, 2.0, np.nan, "a < b & c")
+    out = reports.write_report([verdict("<b>case</b>", [finding])], tmp_path)
+    text = (out / "index.html").read_text(encoding="utf-8")
+    assert "<b>case</b>" not in text and "&lt;b&gt;case&lt;/b&gt;" in text
+    assert "a &lt; b &amp; c" in text
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "summary.json", "summary.md"]
+
+
+def test_new_report_dirs_are_distinct(tmp_path):
+    first, second = reports.new_report_dir(tmp_path), reports.new_report_dir(tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="charts='some'"):
+        reports.write_report([], tmp_path, charts="some")
+    with pytest.raises(ValueError, match="unknown verdict status"):
+        reports.write_report([CaseVerdict("c", "maybe")], tmp_path)

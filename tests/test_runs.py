@@ -1,0 +1,172 @@
+"""RunSpec validation, run() datasets (schema 1), determinism, netCDF round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+import precision_suite
+from precision_suite import runs
+from precision_suite.runs import RunSpec, case_id, load_dataset, run, save_dataset
+
+# 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
+TINY_VIT = dict(model="vit", depth=2, steps=4, batch_size=8, sample_every=2)
+TINY_GPT = dict(model="gpt", depth=2, seq_len=32, batch_size=4, steps=3, sample_every=2)
+
+
+@pytest.fixture(scope="module")
+def fp8_gpt() -> xr.Dataset:
+    return run(RunSpec(recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT))
+
+
+def test_dataset_follows_the_schema(fp8_gpt):
+    ds = fp8_gpt
+    assert ds.step.values.tolist() == [0, 2] and ds.step.dtype == np.int64
+    assert ds.tokens.dims == ("step",) and ds.tokens.values.tolist() == [128, 384]
+    assert ds.layer.values.tolist() == [0, 1]
+    assert ds.tensor.values.tolist() == ["activation", "gradient", "gradient_transpose", "weight"]
+    assert ds.layout.values.tolist() == ["1x128", "128x1", "128x128", "mxfp8", "nvfp4"]
+    assert ds.train_step.values.tolist() == [0, 1, 2]
+    assert ds.attention_norm.dims == ("step", "layer")
+    for name in ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse"):
+        assert ds[name].dims == ("step", "layer", "tensor", "layout")
+    assert ds.nonfinite.dims == ("step", "layer", "tensor") and int(ds.nonfinite.sum()) == 0
+    assert ds.loss.dims == ds.accuracy.dims == ("train_step",)
+    assert np.isfinite(ds.loss).all() and ((ds.accuracy >= 0) & (ds.accuracy <= 1)).all()
+    assert ds.attrs["schema_version"] == 1 and ds.attrs["case"] == "gpt-softmax-fp8-block"
+    assert RunSpec.from_json(ds.attrs["spec"]) == RunSpec(recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT)
+    assert ds.attrs["package_version"] == precision_suite.__version__
+    fingerprint = json.loads(ds.attrs["fingerprint"])
+    assert fingerprint["threads"] == 1 and fingerprint["torch"] == torch.__version__
+    assert {"device", "cpu_capability", "python", "platform"} <= set(fingerprint)
+
+
+def test_gradient_transpose_is_recorded_apart_from_the_gradient(fp8_gpt):
+    underflow = fp8_gpt.underflow
+    gradient = underflow.sel(tensor="gradient", layout="1x128")
+    transpose = underflow.sel(tensor="gradient_transpose", layout="128x1")
+    assert np.isfinite(gradient).all() and np.isfinite(transpose).all()
+    # each tensor is measured only under its own layout; the other pair stays NaN
+    assert np.isnan(underflow.sel(tensor="gradient", layout="128x1")).all()
+    assert np.isnan(underflow.sel(tensor="gradient_transpose", layout="1x128")).all()
+    assert not np.array_equal(gradient.values, transpose.values)
+    # fixed-block formats measure all four tensors
+    assert np.isfinite(fp8_gpt.distortion.sel(layout=["mxfp8", "nvfp4"])).all()
+
+
+def test_softmax_attention_norm_stays_within_sqrt_n_in_a_run():
+    ds = run(RunSpec(attention="softmax", **TINY_VIT))
+    assert bool((ds.attention_norm <= math.sqrt(16)).all())
+    assert bool((ds.attention_norm > 0).all())
+
+
+@pytest.mark.parametrize("power", ["", "^3"])
+def test_unscaled_polynomial_norm_exceeds_its_sqrt_n_twin(power):
+    unscaled = run(RunSpec(attention=f"x{power}/1", **TINY_VIT)).attention_norm
+    scaled = run(RunSpec(attention=f"x{power}/sqrt(N)", **TINY_VIT)).attention_norm
+    assert bool((unscaled > scaled).all())
+
+
+def test_a_diverging_run_counts_nan_and_inf_instead_of_crashing():
+    # an absurd learning rate on the unnormalised cubic attention blows the weights up at once
+    ds = run(RunSpec(attention="x^3/1", lr=50.0, **TINY_VIT))
+    assert np.isnan(ds.loss.values[-1])
+    assert int(ds.nonfinite.isel(step=-1).sum()) > 0
+    assert int(ds.nonfinite.isel(step=0).sum()) == 0
+
+
+def test_same_spec_twice_gives_identical_datasets():
+    spec = RunSpec(recipe="mxfp8", **TINY_GPT)
+    xr.testing.assert_identical(run(spec), run(spec))
+
+
+def test_a_different_seed_gives_different_numbers():
+    first = run(RunSpec(**TINY_GPT)).loss
+    second = run(RunSpec(**{**TINY_GPT, "seed": 1})).loss
+    assert not np.array_equal(first.values, second.values)
+
+
+def test_netcdf_round_trip_is_identical(fp8_gpt, tmp_path):
+    path = save_dataset(fp8_gpt, tmp_path / "sub" / "run.nc")
+    xr.testing.assert_identical(load_dataset(path), fp8_gpt)
+    assert [p.name for p in path.parent.iterdir()] == ["run.nc"]  # no temp file left behind
+
+
+def test_load_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run dataset at .*missing.nc"):
+        load_dataset(tmp_path / "missing.nc")
+
+
+def test_run_restores_threads_and_rng_and_reports_progress():
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    seen = []
+    torch.set_num_threads(2)  # the run pins 1 thread and must put 2 back
+    try:
+        run(RunSpec(threads=1, **TINY_GPT), progress=lambda *args: seen.append(args))
+        assert torch.get_num_threads() == 2 and torch.equal(torch.get_rng_state(), rng)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(done, total) for done, total, _ in seen] == [(1, 3), (2, 3), (3, 3)]
+    assert all(isinstance(loss, float) and loss > 0 for *_, loss in seen)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": "bert"}, "unknown model 'bert'; choose one of vit, gpt"),
+        ({"attention": "tanh"}, "unknown attention 'tanh'; known: .*softmax"),
+        ({"recipe": "fp6"}, "unknown recipe 'fp6': use one of fp32, bf16, fp8-block"),
+        ({"extra_formats": ("int8",)}, "bad quantization scheme 'int8'"),
+        ({"extra_formats": ("e4m3:1x128",)}, "'fp8-block' already measures"),
+        ({"steps": 0}, "steps must be a positive integer, got 0"),
+        ({"sample_every": -1}, "sample_every must be a positive integer"),
+        ({"batch_size": 1}, r"gradient_transpose \(32x384\) into 128x1 blocks"),
+        ({"width": 64}, r"activation \(128x64\) into 1x128 blocks"),
+        ({"device": "tpu"}, "device must be one of auto, cpu, cuda"),
+        ({"lr": float("nan")}, "lr must be a positive finite number"),
+        ({"model": "vit", "seq_len": 9}, r"tokens \(seq_len\) must be one of \(4, 16, 64\)"),
+    ],
+)
+def test_bad_specs_fail_before_training_with_what_is_allowed(change, message, monkeypatch):
+    def training_started(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(runs, "Trainer", training_started)
+    with pytest.raises(ValueError, match=message):
+        run(RunSpec(**{**TINY_GPT, **change}))
+
+
+def test_spec_json_round_trip_and_unknown_fields():
+    spec = RunSpec(model="vit", attention="x^3/sqrt(N)", extra_formats=["nvfp4"], depth=3)
+    assert spec.extra_formats == ("nvfp4",)
+    assert RunSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match=r"unknown RunSpec field\(s\) \['stepz'\]; allowed: .*steps"):
+        RunSpec.from_json('{"stepz": 3}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        RunSpec.from_json("{")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (RunSpec(model="vit"), "vit-softmax-fp32"),
+        (RunSpec(model="gpt", recipe="fp8-block"), "gpt-softmax-fp8-block"),
+        (RunSpec(attention="x^3/sqrt(N)", recipe="e5m2:tensor"), "gpt-x3-sqrtN-e5m2-tensor"),
+        (RunSpec(attention="x/1"), "gpt-x-1-fp32"),
+        (RunSpec(attention="relu/N"), "gpt-relu-N-fp32"),
+    ],
+)
+def test_case_ids_are_filename_safe(spec, expected):
+    assert case_id(spec) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_records_its_device():
+    ds = run(RunSpec(device="cuda", recipe="fp8-block", **TINY_GPT))
+    assert json.loads(ds.attrs["fingerprint"])["device"] != "cpu"
+    assert np.isfinite(ds.underflow.sel(tensor="gradient_transpose", layout="128x1")).all()
