@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,8 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.checks import TIME_DIMS, Finding, format_where, to_python
+from precision_suite.files import SCHEMA_VERSION, save_dataset
 
-SCHEMA_VERSION = 1  # run-dataset schema this module reads and writes (docs/architecture.md)
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
 EXECUTION_FIELDS = ("device",)  # spec fields that do not define the case (see spec_differences)
 SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
@@ -159,18 +158,7 @@ def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     if missing:
         raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
                             "save datasets made by precision_suite.runs.run")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars}
-    # a unique name per writer; created by HDF5 with the usual permissions (mkstemp's are 0600)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        ds.to_netcdf(tmp, engine="h5netcdf", encoding=encoding)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return save_dataset(ds, path)
 
 
 def default_regen_hint(case: str) -> str:

@@ -13,15 +13,12 @@ layer, over tokens seen.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import matplotlib
 import numpy as np
@@ -29,6 +26,8 @@ import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from precision_suite.files import atomic_file
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
@@ -194,25 +193,6 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     with atomic_file(path) as handle, matplotlib.rc_context({"svg.hashsalt": "precision-suite"}):
         fig.savefig(handle, format=fmt, dpi=DPI, metadata=metadata[fmt])
     return path
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """A binary handle on a temp file beside `path`, renamed onto `path` only when writing succeeds.
-
-    Readers (a browser, a CI job, another pytest worker) never see a half-written file.
-    Parent folders are created.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- helpers

@@ -186,7 +186,7 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from precision_suite import baselines, runs
+    from precision_suite import baselines, files, runs
 
     specs = _selected_specs(args)
     rules, tolerances = _load_rules(args.rules)
@@ -201,7 +201,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         case = runs.case_id(spec)
         ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
         if args.save_results:
-            runs.save_dataset(ds, _result_path(args.save_results, case))
+            files.save_dataset(ds, _result_path(args.save_results, case))
         verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir))
         datasets[case] = ds
     return _finish(verdicts, datasets, report_dir, args.charts)
@@ -448,22 +448,22 @@ def _result_path(folder: str, case: str) -> Path:
 
 def _load_results(location: str, what: str) -> dict:
     """case -> dataset for a .nc file or every .nc file in a folder."""
-    from precision_suite import runs
+    from precision_suite.files import load_dataset
 
     path = Path(location)
     if path.is_dir():
-        files = sorted(path.glob("*.nc"))
-        if not files:
+        result_files = sorted(path.glob("*.nc"))
+        if not result_files:
             raise UsageError(f"{what} {path} holds no .nc files; save results with "
                              "`precision-suite run --save-results DIR`")
     elif path.is_file():
-        files = [path]
+        result_files = [path]
     else:
         raise UsageError(f"{what} {path} does not exist; give a .nc result file or a folder of them")
     results: dict = {}
-    for file in files:
+    for file in result_files:
         try:
-            ds = runs.load_dataset(file)
+            ds = load_dataset(file)
         except Exception as exc:  # h5py/xarray raise many types for a damaged file
             raise UsageError(f"{what} {file} is not a readable result file ({type(exc).__name__}: "
                              f"{exc}); write results with `precision-suite run --save-results DIR`") from None

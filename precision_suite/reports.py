@@ -31,6 +31,7 @@ from pathlib import Path
 import xarray as xr
 
 from precision_suite import __version__, charts as _charts
+from precision_suite.files import atomic_file
 
 STATUS_ORDER = ("fail", "error", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "drift": "🔶 drift", "pass": "✅ pass"}
@@ -126,7 +127,7 @@ def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], lis
             pass
         target = out / "charts" / f"{case_slug(case)}-{source.name}"
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _charts.atomic_file(target) as handle, source.open("rb") as original:
+        with atomic_file(target) as handle, source.open("rb") as original:
             shutil.copyfileobj(original, handle)
         adopted.append(target.relative_to(out).as_posix())
     return adopted, missing
@@ -299,5 +300,5 @@ def _html(summary: dict, entries: Sequence[_CaseEntry], out: Path) -> str:
 
 
 def _write_text(path: Path, text: str) -> None:
-    with _charts.atomic_file(path) as handle:
+    with atomic_file(path) as handle:
         handle.write(text.encode("utf-8"))

@@ -11,13 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import re
-import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -26,6 +23,7 @@ import torch.nn.functional as F
 import xarray as xr
 
 from precision_suite import __version__
+from precision_suite.files import SCHEMA_VERSION
 from precision_suite.attention import get_attention
 from precision_suite.data import digits_batch, text_batch
 from precision_suite.models import ModelConfig, block_linears, build_model, model_config
@@ -41,7 +39,6 @@ from precision_suite.probes import (
     set_recipe,
 )
 
-SCHEMA_VERSION = 1
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side
 # examples of training recipes; any quantization scheme name (probes.get_scheme) also works
@@ -333,6 +330,9 @@ def _dataset(
         "spec": spec.to_json(),
         "fingerprint": json.dumps(fingerprint(device), sort_keys=True),
         "package_version": __version__,
+        # numbers that threshold rules refer to, e.g. "attention_norm <= sqrt(N)"
+        "N": config.tokens,
+        "d_head": config.width // config.heads,
     }
     return xr.Dataset(data_vars, coords=coords, attrs=attrs)
 
@@ -345,26 +345,3 @@ _METRIC_DESCRIPTIONS = {
     "sqnr_db": "20 log10(||x|| / ||x - x_hat||), dB",
     "mse": "mean squared error of the reconstruction",
 }
-
-
-def save_dataset(ds: xr.Dataset, path: str | os.PathLike) -> Path:
-    """Write ``ds`` as netCDF4 (h5netcdf) atomically: a temp file in the same folder, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        ds.to_netcdf(temp, engine="h5netcdf")
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def load_dataset(path: str | os.PathLike) -> xr.Dataset:
-    """Read a dataset written by ``save_dataset`` fully into memory (the file is closed again)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no run dataset at {path}")
-    return xr.load_dataset(path, engine="h5netcdf")

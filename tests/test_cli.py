@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import __version__, cli, runs
+from precision_suite import __version__, cli, files, runs
 from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
@@ -187,7 +187,7 @@ def test_report_from_saved_results_without_training(workdir, fake_training, caps
 
 
 def _save(folder: Path, ds) -> Path:
-    return runs.save_dataset(ds, folder / f"{ds.attrs['case']}.nc")
+    return files.save_dataset(ds, folder / f"{ds.attrs['case']}.nc")
 
 
 def test_compare_files_with_mismatched_specs_fails_clearly(workdir, capsys):
@@ -250,5 +250,5 @@ def test_real_training_end_to_end(workdir, capsys):
     assert cli.main(["run", "--config", "tiny.toml", "--report-dir", "out"]) == 0
     summary = _summary(workdir / "out")
     assert [(c["case"], c["status"]) for c in summary["cases"]] == [("vit-x3-sqrtN-fp8-block", "pass")]
-    assert np.isfinite(runs.load_dataset(workdir / "baselines" / "vit-x3-sqrtN-fp8-block.nc")
+    assert np.isfinite(files.load_dataset(workdir / "baselines" / "vit-x3-sqrtN-fp8-block.nc")
                        ["attention_norm"].values).all()

@@ -12,7 +12,8 @@ import xarray as xr
 
 import precision_suite
 from precision_suite import runs
-from precision_suite.runs import RunSpec, case_id, load_dataset, run, save_dataset
+from precision_suite.files import load_dataset, save_dataset
+from precision_suite.runs import RunSpec, case_id, run
 
 # 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
 TINY_VIT = dict(model="vit", depth=2, steps=4, batch_size=8, sample_every=2)
@@ -98,7 +99,7 @@ def test_netcdf_round_trip_is_identical(fp8_gpt, tmp_path):
 
 
 def test_load_of_a_missing_file_names_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no run dataset at .*missing.nc"):
+    with pytest.raises(FileNotFoundError, match="no results file .*missing.nc"):
         load_dataset(tmp_path / "missing.nc")
 
 

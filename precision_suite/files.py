@@ -1,0 +1,55 @@
+"""Atomic file writes and the netCDF reader/writer every module shares.
+
+Readers (a browser, a CI job, another pytest-xdist worker) never see a half-written file: each
+write goes to a uniquely named temp file beside its target and is renamed onto it only once
+complete. Unique names (not mkstemp) keep the usual file permissions and are safe under xdist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import xarray as xr
+
+SCHEMA_VERSION = 1  # run-dataset schema (docs/architecture.md); bump on any layout change
+NETCDF_ENGINE = "h5netcdf"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temp path beside `path` to write to; renamed onto `path` when the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary handle whose content replaces `path` when the block succeeds."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        yield handle
+
+
+def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True) -> Path:
+    """Write `ds` as netCDF4 atomically; gzip keeps baselines at tens of kB."""
+    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} if compress else None
+    with atomic_path(path) as tmp:
+        ds.to_netcdf(tmp, engine=NETCDF_ENGINE, encoding=encoding)
+    return Path(path)
+
+
+def load_dataset(path: str | os.PathLike) -> xr.Dataset:
+    """Read a dataset written by `save_dataset` fully into memory (the file is closed after)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no results file {str(path)!r}")
+    return xr.load_dataset(path, engine=NETCDF_ENGINE)
