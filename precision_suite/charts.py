@@ -34,6 +34,8 @@ PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough 
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
 
 # units shown on y axes; a metric missing here is labelled with its name only
+# Values a metric can take (SCIENCE.md): fractions of elements, and a cosine similarity.
+METRIC_RANGES = {"underflow": (0.0, 1.0), "zeros_after": (0.0, 1.0), "overflow": (0.0, 1.0), "distortion": (-1.0, 1.0)}
 METRIC_UNITS = {
     "attention_norm": "Frobenius norm of φ(S), mean over heads",
     "underflow": "fraction of elements (non-zero → zero)",
@@ -315,7 +317,10 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
             ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} baseline")
             if tolerance is not None:
                 lower, upper = band(panel.metric, ref, tolerance)
-                ax.fill_between(ref_x, lower, upper, color=colour, alpha=0.15, linewidth=0)
+                # a band never suggests an impossible value (a negative fraction, a cosine > 1)
+                low, high = METRIC_RANGES.get(panel.metric, (-np.inf, np.inf))
+                ax.fill_between(ref_x, np.clip(lower, low, high), np.clip(upper, low, high),
+                                color=colour, alpha=0.15, linewidth=0)
 
     for bound in sorted({float(f.reference) for f in panel.findings
                          if f.kind == "threshold" and f.reference is not None}):

@@ -27,32 +27,8 @@ DEFAULT_BASELINE_DIR = "baselines"
 DEFAULT_REPORT_ROOT = "reports"
 DEFAULT_RULES_FILE = "pyproject.toml"
 
-# The default matrix (docs/cli.md): every attention variant on the ViT in float32, and the
-# low-precision training recipes on the GPT with the MX/NVFP4 layouts measured beside FP8 blocks.
-VIT_ATTENTIONS = ("softmax", "x/1", "x/sqrt(N)", "x^3/1", "x^3/sqrt(N)", "sigmoid", "relu/N")
-VIT_RECIPE = "fp32"
-GPT_RECIPES = ("fp8-block", "mxfp8", "nvfp4")
-GPT_EXTRA_FORMATS = ("mxfp8", "nvfp4")
-# --quick: a subset of the same specs (so both share baselines): one bounded and one unbounded
-# attention variant and the FP8 block recipe
-QUICK_VIT_ATTENTIONS = ("softmax", "x/1")
-QUICK_GPT_RECIPES = ("fp8-block",)
-
-
 class UsageError(Exception):
     """Bad usage or configuration: reported as one line, exit status 2."""
-
-
-def default_matrix(quick: bool) -> list:
-    """The RunSpecs `precision-suite run` checks when no selection or config file narrows it."""
-    from precision_suite.runs import RunSpec
-
-    attentions = QUICK_VIT_ATTENTIONS if quick else VIT_ATTENTIONS
-    recipes = QUICK_GPT_RECIPES if quick else GPT_RECIPES
-    specs = [RunSpec(model="vit", attention=a, recipe=VIT_RECIPE) for a in attentions]
-    specs += [RunSpec(model="gpt", attention="softmax", recipe=r, extra_formats=GPT_EXTRA_FORMATS)
-              for r in recipes]
-    return specs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,7 +131,7 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", action="append", metavar="NAME", help="e.g. vit, gpt")
     group.add_argument("--attention", action="append", metavar="NAME",
                        help="e.g. softmax, x/1, 'x^3/sqrt(N)'")
-    group.add_argument("--recipe", action="append", metavar="NAME", help=f"e.g. {VIT_RECIPE}, {GPT_RECIPES[0]}")
+    group.add_argument("--recipe", action="append", metavar="NAME", help="e.g. fp32, fp8-block")
     group.add_argument("--case", action="append", metavar="ID", help="an exact case id")
     group.add_argument("--config", metavar="FILE",
                        help="a TOML file of [[case]] tables (RunSpec fields) replacing the matrix")
@@ -254,9 +230,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _selected_specs(args: argparse.Namespace) -> list:
-    from precision_suite import runs
+    from precision_suite import matrix, runs
 
-    specs = _config_specs(Path(args.config)) if args.config else default_matrix(args.quick)
+    specs = _config_specs(Path(args.config)) if args.config else matrix.default_matrix(args.quick)
     if args.device:
         specs = [dataclasses.replace(spec, device=args.device) for spec in specs]
     source = f"config file {args.config}" if args.config else \

@@ -15,30 +15,23 @@ is taken; `QuantStats.metrics()` turns sums into the reported metrics:
 - nonfinite_in: NaN/Inf count of the input. Non-finite elements are left out of every other sum
   (distortion, sqnr, mse) so one bad value does not hide the rest of the tensor.
 
-Large tensors take a torch.compile'd pass that fuses quantization and reductions into one sweep
-over memory (about 3x a plain copy on 2 CPU cores instead of about 35x eager); set
-PRECISION_SUITE_COMPILE=0 to stay eager.
+Large tensors take a torch.compile'd pass (`quantization.fused`) that fuses quantization and
+reductions into one sweep over memory; set PRECISION_SUITE_COMPILE=0 to stay eager.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from precision_suite.formats import Format, get_format
 from precision_suite.layouts import as_2d, parse_layout, to_blocks
-from precision_suite.quantization import check_tensor, qdq_blocks
+from precision_suite.quantization import check_tensor, fused, qdq_blocks
 
 SUM_FIELDS = ("numel", "nonfinite_in", "underflow", "zeros_after", "overflow", "dot", "xx", "yy", "err2")
 METRIC_NAMES = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
-
-# Below this many elements the eager pass is fast enough and compiling would cost more than it saves.
-COMPILE_MIN_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -116,31 +109,8 @@ def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[to
     return sums, torch.stack([scales.min(), scales.max()])
 
 
-_compiled: dict[tuple[str, bool], Callable] = {}
-_compile_failed = False
-
-
-def _compiled_block_sums(fmt: Format, pow2_scale: bool) -> Callable | None:
-    """A compiled `_block_sums` for this format, or None when compiling is off or unavailable.
-
-    Shapes are dynamic so that the many tensor shapes of a model share a few compiled kernels
-    (one per size-1 pattern, i.e. per layout orientation) instead of one per shape.
-    """
-    if _compile_failed or os.environ.get("PRECISION_SUITE_COMPILE", "1") == "0":
-        return None
-    key = (fmt.name, pow2_scale)
-    if key not in _compiled:
-
-        def block_sums(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return _block_sums(blocks, fmt, pow2_scale)
-
-        _compiled[key] = torch.compile(block_sums, dynamic=True)
-    return _compiled[key]
-
-
 def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1, 128), pow2_scale: bool = False) -> QuantStats:
     """Quantize `x` and reduce the result to additive sums (see module doc)."""
-    global _compile_failed
     x = check_tensor(x)
     if x.numel() == 0:
         raise ValueError("quant_stats: x is empty; error metrics of an empty tensor are undefined")
@@ -148,16 +118,7 @@ def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1
     lay = parse_layout(layout, f)
     x2d = as_2d(x.detach().float())
     blocks = to_blocks(x2d, lay)
-    sums = scale_range = None
-    compiled = _compiled_block_sums(f, pow2_scale) if x.numel() >= COMPILE_MIN_NUMEL else None
-    if compiled is not None:
-        try:
-            sums, scale_range = compiled(blocks)
-        except Exception as err:  # no C++ compiler, unsupported device, ...: eager gives the same numbers
-            _compile_failed = True
-            warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); using eager metrics", stacklevel=2)
-    if sums is None:
-        sums, scale_range = _block_sums(blocks, f, pow2_scale)
+    sums, scale_range = fused(_block_sums, blocks, f, pow2_scale)
     n_pad = blocks.numel() - x2d.numel()
     # padding is zero before and after: it is not data
     correction = torch.zeros_like(sums)

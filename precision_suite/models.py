@@ -86,6 +86,11 @@ def check_model_config(config: ModelConfig) -> None:
         )
 
 
+def attention_scores(q: Tensor, k: Tensor) -> Tensor:
+    """S = Q K^T / sqrt(d_head): the scaling keeps scores O(1) whatever the head width."""
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
 class Attention(nn.Module):
     def __init__(self, width: int, heads: int, activation: str, tokens: int, causal: bool):
         super().__init__()
@@ -101,7 +106,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, n, width = x.shape
         q, k, v = self.qkv(x).view(batch, n, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        scores = attention_scores(q, k)
         mask = None if self.causal_mask is None else self.causal_mask[:n, :n]
         attention = self.phi(scores, n, mask)
         if self.attention_tap is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import __version__, cli, files, runs
+from precision_suite import __version__, cli, files, matrix, runs
 from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
@@ -92,7 +92,7 @@ def test_selection_outside_the_matrix_says_what_exists(workdir, capsys):
 
 
 def test_quick_matrix_is_a_subset_of_the_default_matrix():
-    quick, full = cli.default_matrix(quick=True), cli.default_matrix(quick=False)
+    quick, full = matrix.default_matrix(quick=True), matrix.default_matrix(quick=False)
     assert quick and set(quick) < set(full)  # same specs, so both share baselines
     assert len({case_id(spec) for spec in full}) == len(full)
     for spec in full:

@@ -1,0 +1,121 @@
+"""The suite has teeth: plant a numerics regression into the code and the suite must fail on it,
+with a chart of the case, while the unplanted code passes against the same baselines.
+
+Each plant is a bug that has shipped in real low-precision stacks: a block scale computed with the
+wrong format maximum (flushes small values to zero), truncation instead of round-to-nearest, and
+attention scores missing their 1/sqrt(d_head).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from precision_suite import cli, models, quantization
+
+PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
+CONFIG = """
+[[case]]
+model = "vit"
+attention = "x/1"
+depth = 2
+steps = 6
+sample_every = 5
+
+[[case]]
+model = "gpt"
+recipe = "fp8-block"
+depth = 2
+steps = 6
+sample_every = 5
+"""
+
+
+def wrong_scale(monkeypatch):
+    """Block scales 256x too large: amax / 1.75 (E4M3's largest mantissa) instead of amax / 448."""
+    original = quantization.block_scales
+    monkeypatch.setattr(quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 256)
+
+
+def truncating_rounding(monkeypatch):
+    """Round toward zero instead of to nearest (ties to even)."""
+    def truncate(y, element):
+        exp_bits = (y.view(torch.int32) & 0x7F800000).clamp(min=(element.emin + 127) << 23)
+        quantum = (exp_bits - (element.man_bits << 23)).view(torch.float32)
+        return torch.trunc(y / quantum) * quantum
+    monkeypatch.setattr(quantization, "round_to_element", truncate)
+
+
+def missing_score_scaling(monkeypatch):
+    monkeypatch.setattr(models, "attention_scores", lambda q, k: q @ k.transpose(-2, -1))
+
+
+PLANTS = {
+    # plant: (case it breaks, metrics that must be reported as regressions)
+    wrong_scale: ("gpt-softmax-fp8-block", {"underflow", "zeros_after"}),
+    truncating_rounding: ("gpt-softmax-fp8-block", {"distortion", "sqnr_db"}),
+    missing_score_scaling: ("vit-x-1-fp32", {"attention_norm"}),
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A project folder with the two small cases and their baselines from the unplanted code."""
+    root = tmp_path_factory.mktemp("teeth")
+    (root / "cases.toml").write_text(CONFIG)
+    assert cli.main(["baseline", "update", "--config", str(root / "cases.toml"),
+                     "--baseline-dir", str(root / "baselines")]) == 0
+    return root
+
+
+def _run(project, report: str) -> tuple[int, dict]:
+    status = cli.main(["run", "--config", str(project / "cases.toml"), "--baseline-dir", str(project / "baselines"),
+                       "--report-dir", str(project / report), "--rules", str(PYPROJECT)])
+    return status, json.loads((project / report / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_unplanted_code_passes(project):
+    status, summary = _run(project, "clean")
+    assert status == 0, summary
+    assert {c["status"] for c in summary["cases"]} <= {"pass", "drift"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", list(PLANTS), ids=lambda p: p.__name__)
+def test_planted_regression_fails_with_a_chart(project, plant, monkeypatch):
+    broken_case, expected_metrics = PLANTS[plant]
+    baselines_before = {p.name: p.read_bytes() for p in (project / "baselines").iterdir()}
+    plant(monkeypatch)
+    status, summary = _run(project, f"planted-{plant.__name__}")
+    assert status == 1
+    case = next(c for c in summary["cases"] if c["case"] == broken_case)
+    assert case["status"] == "fail"
+    regressed = {f["metric"] for f in case["findings"] if f["kind"] == "regression"}
+    assert expected_metrics <= regressed, regressed
+    assert case["charts"], "a failing case must come with a chart"
+    for chart in case["charts"]:
+        png = project / f"planted-{plant.__name__}" / chart
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: p.read_bytes() for p in (project / "baselines").iterdir()} == baselines_before
+
+
+def test_plants_really_change_the_numbers(monkeypatch):
+    """Guard against a plant that silently does nothing (e.g. a cached compiled kernel)."""
+    x = torch.randn(64, 256)
+    clean = quantization.quantize(x, "e4m3", (1, 128)).dequantized
+    with monkeypatch.context() as m:
+        wrong_scale(m)
+        assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
+    with monkeypatch.context() as m:
+        truncating_rounding(m)
+        assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
+    q, k = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    with monkeypatch.context() as m:
+        missing_score_scaling(m)
+        assert torch.allclose(models.attention_scores(q, k), (q @ k.transpose(-2, -1)))
+    assert torch.allclose(models.attention_scores(q, k) * math.sqrt(32), q @ k.transpose(-2, -1))
