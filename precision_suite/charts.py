@@ -14,7 +14,6 @@ layer, over tokens seen.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ QUANT_PANELS = (
 QUANT_ROWS = ("underflow", "distortion")
 
 # (metric, reference values, tolerance) -> (lower, upper) edges of the accepted band
-ToleranceBand = Callable[[str, np.ndarray, float], "tuple[np.ndarray, np.ndarray]"]
+ToleranceBand = Callable[[str, np.ndarray], "tuple[np.ndarray, np.ndarray] | None"]
 
 
 def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | None = None,
@@ -158,9 +157,9 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     One panel per failing metric selection (e.g. underflow of gradient 128x1); in it, one colour
     per offending layer: current solid, baseline dashed, the accepted tolerance band shaded,
     threshold bounds dotted, and each offending (layer, step) marked with a red cross.
-    `baseline` may be None for threshold-only findings. `band(metric, reference, tolerance)`
-    returns the band edges; the default is `precision_suite.baselines.tolerance_band`, so the
-    chart shades exactly what the comparison accepted.
+    `baseline` may be None for threshold-only findings. `band(metric, reference)` returns the
+    band edges over the steps (None: no band); the default is
+    `precision_suite.baselines.tolerance_band` with the default tolerances.
     """
     case = current.attrs.get("case", "run")
     panels = _drift_panels(current, findings)
@@ -295,8 +294,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
     if baseline is not None and panel.metric in baseline.data_vars:
         reference = baseline[panel.metric].sel(dict(panel.fixed))
     # the band is the comparison's; threshold findings carry a bound, drawn as a line instead
-    tolerance = next((float(f.tolerance) for f in panel.findings if f.kind in ("regression", "drift")
-                      and f.tolerance is not None and math.isfinite(float(f.tolerance))), None)
+    compared = any(f.kind in ("regression", "drift") for f in panel.findings)
 
     if "layer" in var.dims:
         offending = sorted({int(f.where["layer"]) for f in panel.findings if "layer" in (f.where or {})})
@@ -315,11 +313,11 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
             ref = np.atleast_1d(reference.sel(where).values.astype(float))
             ref_x = reference[x_dim].values if x_dim else xs
             ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} baseline")
-            if tolerance is not None:
-                lower, upper = band(panel.metric, ref, tolerance)
+            edges = band(panel.metric, ref) if compared else None
+            if edges is not None:
                 # a band never suggests an impossible value (a negative fraction, a cosine > 1)
                 low, high = METRIC_RANGES.get(panel.metric, (-np.inf, np.inf))
-                ax.fill_between(ref_x, np.clip(lower, low, high), np.clip(upper, low, high),
+                ax.fill_between(ref_x, np.clip(edges[0], low, high), np.clip(edges[1], low, high),
                                 color=colour, alpha=0.15, linewidth=0)
 
     for bound in sorted({float(f.reference) for f in panel.findings

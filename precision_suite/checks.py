@@ -271,7 +271,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 
 def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
     """Evaluate an arithmetic bound such as '2*sqrt(N)' (numbers, names, + - * / **, sqrt, log,
-    exp, min, max). With names=None only the syntax is checked (names evaluate to 1)."""
+    exp, min, max). With names=None only the syntax is checked: nothing is evaluated (a bound
+    such as 1/(N-1) is fine for every run with N > 1), and NaN stands for the result."""
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
@@ -285,23 +286,30 @@ def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
             return float(node.value)
         if isinstance(node, ast.Name):
             if names is None:
-                return 1.0
+                return math.nan
             if node.id not in names:
                 raise ValueError(f"bound {text!r}: unknown name {node.id!r}; this run provides "
                                  f"{', '.join(sorted(names)) or 'no numeric attributes'}")
             return float(names[node.id])
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](walk(node.left), walk(node.right))
+            left, right = walk(node.left), walk(node.right)
+            return math.nan if names is None else _BINARY[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             value = walk(node.operand)
             return -value if isinstance(node.op, ast.USub) else value
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in _FUNCTIONS and not node.keywords:
-            return float(_FUNCTIONS[node.func.id](*(walk(arg) for arg in node.args)))
+            args = [walk(arg) for arg in node.args]
+            return math.nan if names is None else float(_FUNCTIONS[node.func.id](*args))
         raise ValueError(f"bound {text!r}: only numbers, names, + - * / ** and "
                          f"{', '.join(_FUNCTIONS)} are allowed")
 
-    return walk(tree)
+    try:
+        return walk(tree)
+    except (ArithmeticError, TypeError, ValueError) as err:  # 1/0, log(-1), 10**400, min()
+        if isinstance(err, ValueError) and str(err).startswith("bound "):
+            raise
+        raise ValueError(f"bound {text!r} cannot be evaluated for this run: {err}") from None
 
 
 def run_names(ds: xr.Dataset) -> dict[str, float]:

@@ -165,6 +165,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from precision_suite import baselines, files, runs
 
     specs = _selected_specs(args)
+    if args.save_results and Path(args.save_results).resolve() == Path(args.baseline_dir).resolve():
+        raise UsageError(f"--save-results {args.save_results} is the baseline folder: results would "
+                         "replace baselines before they are judged; save them elsewhere and use "
+                         "`precision-suite baseline update` to regenerate baselines")
     rules, tolerances = _load_rules(args.rules)
     references = {}
     for spec in specs:  # every baseline is checked before the first minute of training
@@ -188,7 +192,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     new = _load_results(args.new, "NEW")
     pairs = _pair_results(base, new, args.base, args.new)
     rules, tolerances = _load_rules(args.rules)
-    tolerances = {**tolerances, **_parse_fail_rules(args.fail)}
+    tolerances = [tolerances, _parse_fail_rules(args.fail)]  # --fail applies over the project's
     report_dir = _report_dir(args.report_dir)
     verdicts = [_judge(case, current, reference, rules, tolerances, report_dir)
                 for case, (reference, current) in pairs.items()]
@@ -203,7 +207,15 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
     for index, spec in enumerate(specs, 1):
         case = runs.case_id(spec)
         ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
-        path = baselines.save_baseline(ds, baselines.baseline_path(args.baseline_dir, case))
+        path = baselines.baseline_path(args.baseline_dir, case)
+        try:
+            unchanged = baselines.same_numbers(baselines.load_baseline(path, expected_spec=ds.attrs["spec"]), ds)
+        except baselines.BaselineError:  # missing, stale or corrupt: write it
+            unchanged = False
+        if unchanged:  # no churn in git for numbers that did not move
+            print(f"unchanged {path}")
+            continue
+        baselines.save_baseline(ds, path)
         print(f"wrote {path}")
     print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {args.baseline_dir}` "
           "and commit them with the change that explains them")
@@ -257,6 +269,15 @@ def _selected_specs(args: argparse.Namespace) -> list:
         specs = [cases[c] for c in args.case]
     if not specs:
         raise UsageError(f"the selection from {source} is empty; widen --model/--attention/--recipe")
+    for spec in specs:  # type errors first: a case id is built from these fields
+        for field in ("model", "attention", "recipe"):
+            if not isinstance(getattr(spec, field), str):
+                raise UsageError(f"{source}: {field} must be a string, got {getattr(spec, field)!r}")
+    ids = [runs.case_id(spec) for spec in specs]
+    duplicates = sorted({case for case in ids if ids.count(case) > 1})
+    if duplicates:
+        raise UsageError(f"{source} has several specs for case {', '.join(duplicates)}; a case "
+                         "(model, attention, recipe) has one baseline file, so give each one once")
     for spec in specs:  # every spec is checked before the first one trains
         try:
             spec.validate()
@@ -373,7 +394,7 @@ def _load_rules(pyproject: str) -> tuple[tuple, dict]:
     return config.rules, dict(config.tolerances)
 
 
-def _judge(case: str, current, reference, rules: Sequence, tolerances: dict, report_dir: Path):
+def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | list, report_dir: Path):
     """The verdict of one case, with a drift chart when anything was found."""
     from precision_suite import baselines, charts, checks, reports
 

@@ -39,10 +39,6 @@ class ElementType:
         return math.frexp(self.max)[1] - 1
 
     @property
-    def smallest_subnormal(self) -> float:
-        return 2.0 ** (self.emin - self.man_bits)
-
-    @property
     def overflow_threshold(self) -> float:
         """Magnitudes above this round past `max` without saturation: max + half an ulp there.
 

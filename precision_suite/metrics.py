@@ -31,7 +31,6 @@ from precision_suite.layouts import as_2d, parse_layout, to_blocks
 from precision_suite.quantization import check_tensor, fused, qdq_blocks
 
 SUM_FIELDS = ("numel", "nonfinite_in", "underflow", "zeros_after", "overflow", "dot", "xx", "yy", "err2")
-METRIC_NAMES = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
 
 
 @dataclass(frozen=True)

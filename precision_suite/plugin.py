@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import xarray as xr
 
     from precision_suite.checks import CaseVerdict, Finding, ProjectConfig
+    from precision_suite.runs import RunSpec
 
 CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
 CASE_PROPERTY = "precision_case"
@@ -134,30 +135,24 @@ class RunCache:
         self._datasets: dict[str, xr.Dataset] = {}
 
     def __call__(self, spec: Any) -> xr.Dataset:
-        from precision_suite.runs import run
+        from precision_suite.runs import RunSpec, run
 
+        if isinstance(spec, Mapping):  # {"model": "vit", ...}: unknown keys are refused by name
+            spec = RunSpec.from_json(json.dumps(dict(spec)))
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"precision_run needs a RunSpec (or a dict of its fields), got {type(spec).__name__}")
         spec = self.with_device(spec)
-        key = spec_json(spec)
+        key = spec.to_json()
         if key not in self._datasets:
             self._datasets[key] = run(spec)
         return self._datasets[key]
 
-    def with_device(self, spec: Any) -> Any:
+    def with_device(self, spec: RunSpec) -> RunSpec:
         """The spec with the session's device, when the spec leaves the device to 'auto'."""
-        if self.device != "auto" and getattr(spec, "device", None) == "auto" and dataclasses.is_dataclass(spec):
+        if self.device != "auto" and spec.device == "auto":
             return dataclasses.replace(spec, device=self.device)
         return spec
 
-
-def spec_json(spec: Any) -> str:
-    """Canonical JSON of a RunSpec (its own `to_json` when it has one), the run cache key."""
-    if hasattr(spec, "to_json"):
-        return spec.to_json()
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
-    if isinstance(spec, Mapping):
-        return json.dumps(dict(spec), sort_keys=True, default=str)
-    raise TypeError(f"precision_run needs a RunSpec, got {type(spec).__name__}: {spec!r}")
 
 
 @pytest.fixture(scope="session")

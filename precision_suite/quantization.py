@@ -95,7 +95,7 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = Fals
 
 
 T = TypeVar("T")
-_compiled: dict[tuple[Callable, str, bool], Callable] = {}
+_compiled: dict[tuple[Callable, Format, bool], Callable] = {}
 _compile_failed = False
 
 
@@ -110,7 +110,7 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
     """
     global _compile_failed
     if blocks.numel() >= COMPILE_MIN_NUMEL and not _compile_failed and os.environ.get("PRECISION_SUITE_COMPILE", "1") != "0":
-        key = (fn, fmt.name, pow2_scale)
+        key = (fn, fmt, pow2_scale)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:
 
             def fixed_format(b: torch.Tensor) -> T:
@@ -124,6 +124,8 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
             # default of 8 for the one code object that all formats share
             with torch._dynamo.config.patch(recompile_limit=COMPILE_MAX_GRAPHS):
                 return _compiled[key](blocks)
+        except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo
+            raise
         except Exception as err:  # e.g. no C++ compiler for inductor
             _compile_failed = True
             warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); "

@@ -6,6 +6,8 @@ tests keep their meaning when a tolerance is retuned.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import threading
@@ -44,9 +46,11 @@ def base() -> xr.Dataset:
 
 
 def probe_cell(ds: xr.Dataset, metric: str) -> dict:
-    """Coordinates of a finite cell in the middle of `metric` (layer 1, second step where present)."""
+    """Coordinates of a finite cell of `metric` at its first time point (where `tol` applies)."""
     da = ds[metric]
+    time = [i for i, d in enumerate(da.dims) if d in ("step", "train_step")][0]
     finite = np.argwhere(np.isfinite(da.values))
+    finite = finite[finite[:, time] == 0]
     index = finite[len(finite) // 2]
     return {dim: da[dim].values[i].item() for dim, i in zip(da.dims, index)}
 
@@ -60,7 +64,8 @@ def with_value(ds: xr.Dataset, metric: str, cell: dict, value: float) -> xr.Data
 def shifted(metric: str, reference: float, k: float) -> float:
     """The value whose deviation from `reference` is k tolerances in the bad (k > 0) direction."""
     tol = DEFAULT_TOLERANCES[metric]
-    lower, upper = tolerance_band(metric, np.array(reference), abs(k) * tol.tol)
+    lower, upper = tolerance_band(metric, np.array([reference]), dataclasses.replace(tol, tol=abs(k) * tol.tol))
+    lower, upper = lower[0], upper[0]
     bad_edge = upper if deviation(tol, upper, np.array(reference)) > 0 else lower
     good_edge = lower if bad_edge is upper else upper
     return float(bad_edge if k > 0 else good_edge)
@@ -95,6 +100,24 @@ def test_direction_and_tolerance(base, metric, k, kind):
     assert all(f"{dim} {value}" in finding.message for dim, value in cell.items())
 
 
+@pytest.mark.parametrize("metric", [m for m in WITH_TOLERANCE if DEFAULT_TOLERANCES[m].trained])
+def test_later_time_points_use_the_trained_tolerance(base, metric):
+    """A move of 1.5 `tol` is a regression at the first time point and accepted later, while
+    1.5 `trained` is a regression there too."""
+    tol = DEFAULT_TOLERANCES[metric]
+    first = probe_cell(base, metric)
+    time_dim = next(d for d in first if d in ("step", "train_step"))
+    later = {**first, time_dim: base[time_dim].values[-1].item()}
+    assert np.isfinite(float(base[metric].loc[later]))
+    trained = dataclasses.replace(tol, tol=tol.trained)
+    for cell, k, tolerance, kinds in ((first, 1.5, tol, ["regression"]), (later, 1.5, tol, []),
+                                      (later, 1.5, trained, ["regression"])):
+        reference = float(base[metric].loc[cell])
+        lower, upper = tolerance_band(metric, np.array([reference]), dataclasses.replace(tolerance, tol=k * tolerance.tol, trained=None))
+        bad = upper[0] if deviation(tol, upper, np.array([reference]))[0] > 0 else lower[0]
+        assert [f.kind for f in compare(with_value(base, metric, cell, float(bad)), base)] == kinds
+
+
 @pytest.mark.parametrize("metric", [m for m in COMPARED if DEFAULT_TOLERANCES[m].tol == 0])
 def test_zero_tolerance_counts_any_change(base, metric):
     cell = probe_cell(base, metric)
@@ -116,12 +139,15 @@ def test_kind_follows_the_size_and_sign_of_the_move(base, metric, k):
 
 @pytest.mark.parametrize("metric", WITH_TOLERANCE)
 def test_band_edges_are_exactly_one_tolerance_away(base, metric):
-    """The band that charts shade is the band that `compare` accepts."""
+    """The band that charts shade is the band that `compare` accepts: `tol` at the first time
+    point, `trained` after it."""
     tol = DEFAULT_TOLERANCES[metric]
-    values = base[metric].values
-    reference = values[np.isfinite(values)]
-    for edge in tolerance_band(metric, reference, tol.tol):
-        np.testing.assert_allclose(np.abs(deviation(tol, edge, reference)), tol.tol, rtol=1e-6)
+    time_axis = [d for d in base[metric].dims if d in ("step", "train_step")]
+    reference = np.moveaxis(base[metric].values, base[metric].dims.index(time_axis[0]), -1)
+    expected = np.broadcast_to(tol.at(reference.shape[-1]), reference.shape)
+    finite = np.isfinite(reference)
+    for edge in tolerance_band(metric, reference, tol):
+        np.testing.assert_allclose(np.abs(deviation(tol, edge, reference))[finite], expected[finite], rtol=1e-6)
 
 
 def test_each_metric_has_its_documented_direction():
@@ -143,11 +169,21 @@ def test_new_nan_or_inf_is_a_regression_and_a_newly_measured_cell_is_drift(base)
     assert finding.kind == "drift"
 
 
+def test_sqnr_falling_from_an_exact_reconstruction_is_a_regression(base):
+    """A baseline SQNR of +inf (x_hat == x) becoming finite is worse, not 'measured now'."""
+    cell = probe_cell(base, "sqnr_db")
+    exact = with_value(base, "sqnr_db", cell, np.inf)
+    (finding,) = compare(base, exact)
+    assert (finding.kind, finding.metric) == ("regression", "sqnr_db")
+
+
 def test_one_finding_per_series_at_its_worst_step(base):
     cell = probe_cell(base, "attention_norm")
     current = base.copy(deep=True)
     series = current["attention_norm"].loc[{"layer": cell["layer"]}]
-    factors = np.linspace(1.2, 2.0, series.sizes["step"])
+    # every step beyond its own tolerance, the last one furthest
+    n = series.sizes["step"]
+    factors = np.exp(DEFAULT_TOLERANCES["attention_norm"].at(n) * np.linspace(1.2, 2.0, n))
     current["attention_norm"].loc[{"layer": cell["layer"]}] = series * factors
     (finding,) = compare(current, base)
     assert finding.where == {"layer": cell["layer"], "step": int(base["step"].values[-1])}

@@ -16,12 +16,11 @@ from precision_suite.runs import RunSpec, case_id
 # Bounded attention variants: normalised rows (softmax) or a bias of -log N (sigmoid) keep the
 # norm from growing with training; the suite flags a doubling within the short run.
 BOUNDED_GROWTH = {"softmax": 2.0, "sigmoid": 2.0}
-# The FP8 block recipe: the gradient transpose is the worst-conditioned operand (SCIENCE.md,
-# figure B), but a (128, 1) tile still keeps 99% of its non-zero elements and 0.999 cosine.
-GRADIENT_TRANSPOSE_RULES = [
-    "underflow <= 1e-2 @ tensor=gradient_transpose, layout=128x1",
-    "distortion >= 0.999 @ tensor=gradient_transpose, layout=128x1",
-]
+# The gradient transpose is the worst-conditioned operand (SCIENCE.md, figure B). Its (128, 1)
+# e4m3 tiles are held to the project's gradient bound (1e-3; measured peak 9e-5) when the GPT
+# trains in FP8 or MXFP8. Trained in NVFP4 its gradients reach 1.8e-3 (2.0e-3 with 2 threads),
+# so that recipe gets 1e-2: room for machines' spread, still 5x below a flush of 1% of a tile.
+GRADIENT_TRANSPOSE_UNDERFLOW = {"fp8-block": 1e-3, "mxfp8": 1e-3, "nvfp4": 1e-2}
 
 
 def case_rules(spec: RunSpec) -> list[str]:
@@ -29,13 +28,26 @@ def case_rules(spec: RunSpec) -> list[str]:
     if spec.attention in BOUNDED_GROWTH:
         rules.append(f"growth(attention_norm) <= {BOUNDED_GROWTH[spec.attention]}")
     if spec.model == "gpt":
-        rules += GRADIENT_TRANSPOSE_RULES
+        rules += [f"underflow <= {GRADIENT_TRANSPOSE_UNDERFLOW[spec.recipe]:g} @ tensor=gradient_transpose, layout=128x1",
+                  "distortion >= 0.999 @ tensor=gradient_transpose, layout=128x1"]
     return rules
 
 
+# Numerics problems this suite found and keeps visible (strict: a fix turns them red too).
+# Cubic attention passes gradients through phi'(S) = 3 S^2 / c, near zero for the many small
+# scores, so the gradients entering the block linears span more binades than one (1, 128) FP8
+# tile holds: 1-2% of them flush to zero (measured 1.2e-2 and 2.0e-2; 1.0e-2 and 1.4e-2 with 2
+# threads) against at most 1.3e-4 for every other variant. The rule's bound is 1e-3.
+CUBIC_UNDERFLOW = "cubic attention flushes 1-2% of FP8 (1, 128) gradient tiles (rule: <= 0.1%)"
+KNOWN_VIOLATIONS = {"vit-x3-1-fp32": CUBIC_UNDERFLOW, "vit-x3-sqrtN-fp32": CUBIC_UNDERFLOW}
+
+
 def _param(spec: RunSpec):
-    marks = [pytest.mark.precision] + ([] if case_id(spec) in QUICK_CASES else [pytest.mark.slow])
-    return pytest.param(spec, id=case_id(spec), marks=marks)
+    case = case_id(spec)
+    marks = [pytest.mark.precision] + ([] if case in QUICK_CASES else [pytest.mark.slow])
+    if case in KNOWN_VIOLATIONS:
+        marks.append(pytest.mark.xfail(reason=KNOWN_VIOLATIONS[case], strict=True))
+    return pytest.param(spec, id=case, marks=marks)
 
 
 @pytest.mark.parametrize("spec", [_param(s) for s in default_matrix()])

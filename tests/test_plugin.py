@@ -6,7 +6,6 @@ so no training happens here.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import types
@@ -21,6 +20,7 @@ import xarray as xr
 import precision_suite.charts  # noqa: F401
 
 from precision_suite.baselines import DEFAULT_TOLERANCES, baseline_path
+from precision_suite.runs import RunSpec
 from synthetic_data import make_run_dataset
 
 pytest_plugins = ["pytester"]
@@ -213,10 +213,8 @@ def test_per_call_tolerances(pytester, run):
 # --------------------------------------------------------------------------- the run fixture
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeSpec:
-    attention: str = "softmax"
-    device: str = "auto"
+def vit(attention: str = "softmax", device: str = "auto") -> RunSpec:
+    return RunSpec(model="vit", attention=attention, device=device)
 
 
 def test_precision_run_runs_each_spec_once_per_session(pytester, monkeypatch):
@@ -226,35 +224,36 @@ def test_precision_run_runs_each_spec_once_per_session(pytester, monkeypatch):
         calls.append(spec)
         return make_run_dataset(attention=spec.attention, depth=2, steps=10)
 
-    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run))
+    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run, RunSpec=RunSpec))
     pytester.makepyfile(test_inner_runs=f"""
-        from {__name__} import FakeSpec
+        from {__name__} import vit
 
         def test_a(precision_run):
-            assert precision_run(FakeSpec()).attrs["case"] == "vit-softmax-fp32"
+            assert precision_run(vit()).attrs["case"] == "vit-softmax-fp32"
 
         def test_b(precision_run):
-            assert precision_run(FakeSpec()) is precision_run(FakeSpec())
-            assert precision_run(FakeSpec("x/1")).attrs["case"] == "vit-x/1-fp32"
+            assert precision_run(vit()) is precision_run(vit())
+            assert precision_run(dict(model="vit", attention="softmax")) is precision_run(vit())
+            assert precision_run(vit("x/1")).attrs["case"] == "vit-x/1-fp32"
     """)
     pytester.runpytest("--precision-device", "cpu").assert_outcomes(passed=2)
-    assert calls == [FakeSpec("softmax", "cpu"), FakeSpec("x/1", "cpu")]
+    assert calls == [vit("softmax", "cpu"), vit("x/1", "cpu")]
 
 
 def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
     def fake_run(spec):
         raise ValueError(f"unknown attention {spec.attention!r}; known: softmax, x/1")
 
-    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run))
+    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run, RunSpec=RunSpec))
     pytester.makepyfile(test_inner_bad=f"""
-        from {__name__} import FakeSpec
+        from {__name__} import vit
 
         def test_bad(precision_check):
-            precision_check(FakeSpec("nope"))
+            precision_check(vit("nope"))
     """)
     result = pytester.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["precision run of FakeSpec(attention='nope', device='auto'): "
+    result.stdout.fnmatch_lines(["precision run of RunSpec(model='vit', attention='nope'*): "
                                  "unknown attention 'nope'; known: softmax, x/1"])
     assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
 

@@ -9,7 +9,6 @@ attention scores missing their 1/sqrt(d_head).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -104,18 +103,22 @@ def test_planted_regression_fails_with_a_chart(project, plant, monkeypatch):
     assert {p.name: p.read_bytes() for p in (project / "baselines").iterdir()} == baselines_before
 
 
-def test_plants_really_change_the_numbers(monkeypatch):
-    """Guard against a plant that silently does nothing (e.g. a cached compiled kernel)."""
-    x = torch.randn(64, 256)
+@pytest.mark.parametrize("numel", [64 * 256, 512 * 256], ids=["eager", "fused"])
+def test_quantizer_plants_reach_both_paths(numel, monkeypatch):
+    """A plant must change the numbers on the eager path and on the compiled one (whose kernels
+    were traced from the unplanted functions), or the teeth tests above prove nothing."""
+    x = torch.randn(numel // 256, 256)
     clean = quantization.quantize(x, "e4m3", (1, 128)).dequantized
-    with monkeypatch.context() as m:
-        wrong_scale(m)
-        assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
-    with monkeypatch.context() as m:
-        truncating_rounding(m)
-        assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
-    q, k = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
-    with monkeypatch.context() as m:
-        missing_score_scaling(m)
-        assert torch.allclose(models.attention_scores(q, k), (q @ k.transpose(-2, -1)))
-    assert torch.allclose(models.attention_scores(q, k) * math.sqrt(32), q @ k.transpose(-2, -1))
+    for plant in (wrong_scale, truncating_rounding):
+        with monkeypatch.context() as m:
+            plant(m)
+            assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean), plant.__name__
+    assert torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
+
+
+def test_score_plant_reaches_the_model(monkeypatch):
+    attention = models.Attention(width=64, heads=2, activation="x/1", tokens=8, causal=False)
+    x = torch.randn(2, 8, 64)
+    clean = attention(x)
+    monkeypatch.setattr(models, "attention_scores", lambda q, k: q @ k.transpose(-2, -1))
+    assert not torch.allclose(attention(x), clean)
