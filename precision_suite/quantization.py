@@ -25,6 +25,7 @@ TINY_SCALE = 2.0**-126
 # Below this many elements eager ops are fast enough and compiling would cost more than it saves.
 COMPILE_MIN_NUMEL = 1 << 16
 COMPILE_MAX_GRAPHS = 64
+STATIC_MIN_NUMEL = 1 << 22
 _F32_EXP_MASK = 0x7F800000
 _F32_MAN_BITS = 23
 
@@ -95,33 +96,44 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = Fals
 
 
 T = TypeVar("T")
-_compiled: dict[tuple[Callable, Format, bool], Callable] = {}
+_compiled: dict[tuple[Callable, Format, bool, bool], Callable] = {}
 _compile_failed = False
+
+
+def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, pow2_scale: bool, static: bool) -> Callable:
+    # Two closures with their own code objects: dynamo caches graphs per code object, and a
+    # dynamic-shape graph would otherwise also serve the large tensors meant for static ones.
+    def static_shapes(b: torch.Tensor) -> T:
+        return fn(b, fmt, pow2_scale)
+
+    def dynamic_shapes(b: torch.Tensor) -> T:
+        return fn(b, fmt, pow2_scale)
+
+    # fx_graph_cache off: inductor's on-disk cache has served a kernel compiled for other dynamic
+    # shapes here (wrong e5m2 values, caught by tests/test_oracle.py), so compile afresh.
+    return torch.compile(static_shapes if static else dynamic_shapes, dynamic=not static,
+                         options={"fx_graph_cache": False})
 
 
 def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> T:
     """`fn(blocks, fmt, pow2_scale)`, through torch.compile for large inputs.
 
     Eager torch makes one pass over memory per op (about 35x a plain copy for quant_error);
-    compiled, quantization and reductions fuse into one or two sweeps (about 3x). Shapes are
-    dynamic, so a model's many tensor shapes share a few kernels (one per layout orientation).
-    Eager is used for small inputs, with PRECISION_SUITE_COMPILE=0, or when compiling fails
-    (no C++ compiler): same numbers, up to the order of float64 summation.
+    compiled, quantization and reductions fuse into one or two sweeps. Medium tensors (a model's
+    activations, gradients and weights) share dynamic-shape kernels, one per format and size-1
+    pattern of the blocks; large ones (>= STATIC_MIN_NUMEL, few shapes) get kernels specialised
+    to their shape, about twice as fast. Eager is used for small inputs, with
+    PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++ compiler): same numbers, up to the
+    order of float64 summation.
     """
     global _compile_failed
     if blocks.numel() >= COMPILE_MIN_NUMEL and not _compile_failed and os.environ.get("PRECISION_SUITE_COMPILE", "1") != "0":
-        key = (fn, fmt, pow2_scale)  # the Format itself: a user's format may reuse a name
+        static = blocks.numel() >= STATIC_MIN_NUMEL
+        key = (fn, fmt, pow2_scale, static)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:
-
-            def fixed_format(b: torch.Tensor) -> T:
-                return fn(b, fmt, pow2_scale)
-
-            # Inductor's on-disk FX graph cache has served a kernel compiled for other dynamic
-            # shapes here (wrong e5m2 values, caught by tests/test_oracle.py): compile afresh.
-            _compiled[key] = torch.compile(fixed_format, dynamic=True, options={"fx_graph_cache": False})
+            _compiled[key] = _compile(fn, fmt, pow2_scale, static)
         try:
-            # one compiled graph per format and size-1 pattern of the blocks: more than dynamo's
-            # default of 8 for the one code object that all formats share
+            # more graphs than dynamo's default of 8 per code object: formats share the closures
             with torch._dynamo.config.patch(recompile_limit=COMPILE_MAX_GRAPHS):
                 return _compiled[key](blocks)
         except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo

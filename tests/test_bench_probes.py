@@ -1,7 +1,8 @@
 """Probe overhead on the default GPT: 10 training steps with probes off, every 10th step, every step.
 
-Measure with ``pytest tests/test_bench_probes.py --benchmark-enable`` and divide the means by the
-``off`` mean (figures in docs/runs.md). Without --benchmark-enable each mode runs once as a test.
+Measure with ``make bench`` (``pytest tests/test_bench_probes.py --benchmark-enable``): the ratios
+to the ``off`` median are printed at the end (tests/conftest.py). Without --benchmark-enable each
+mode runs once as a test.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def test_step_time_with_probes(benchmark, default_gpt_trainer, mode):
         ]
 
     benchmark.group = f"probe overhead: default GPT, {STEPS_PER_ROUND} steps"
+    benchmark.extra_info["reference"] = every is None  # ratios are to the probe-free steps
     records = benchmark.pedantic(train_round, rounds=3, warmup_rounds=1)
     expected_samples = 0 if every is None else STEPS_PER_ROUND // every
     assert sum(r is not None for r in records) == expected_samples
