@@ -24,10 +24,10 @@ run: $(BIN)/.installed
 	$(BIN)/precision-suite run
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
 quick: $(BIN)/.installed
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist

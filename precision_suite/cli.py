@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _EPILOG = """\
 examples:
-  precision-suite run --quick                  smoke matrix (about 1.5 minutes on 2 CPU cores)
+  precision-suite run --quick                  smoke matrix (about a minute on 2 CPU cores)
   precision-suite run                          the full default matrix
   precision-suite run --model vit --attention x/1 --save-results results/
   precision-suite baseline update --quick      (re)create the baselines the quick run uses
