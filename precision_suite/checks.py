@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from precision_suite.files import read_toml
+
 if TYPE_CHECKING:  # xarray is only needed for annotations; keeps this module cheap to import
     import xarray as xr
 
@@ -473,19 +475,7 @@ def read_project_table(pyproject: str | Path) -> dict[str, Any]:
     path = Path(pyproject)
     if not path.is_file():
         return {}
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise RuntimeError(f"reading [tool.precision_suite] from {path} needs Python 3.11+ "
-                               "(tomllib) or the tomli package (pip install tomli)") from None
-    try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    data = read_toml(path)
     table = data.get("tool", {}).get("precision_suite", {})
     if not isinstance(table, dict):
         raise ValueError(f"{path}: [tool.precision_suite] must be a table")

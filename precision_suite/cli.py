@@ -309,19 +309,12 @@ def _config_specs(path: Path) -> list:
 
 
 def _read_toml(path: Path) -> dict:
+    from precision_suite.files import read_toml
+
     try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise UsageError(f"reading {path} needs Python >= 3.11 or `pip install tomli`") from None
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path} does not exist; check the path") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}; fix the file (TOML syntax)") from None
+        return read_toml(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _regen_command(args: argparse.Namespace, case: str) -> str:

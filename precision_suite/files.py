@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
-import xarray as xr
+if TYPE_CHECKING:  # xarray is imported where datasets are read or written: checks.py stays light
+    import xarray as xr
 
 SCHEMA_VERSION = 1  # run-dataset schema (docs/architecture.md); bump on any layout change
 NETCDF_ENGINE = "h5netcdf"
@@ -39,16 +41,34 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
         yield handle
 
 
+def read_toml(path: str | os.PathLike) -> dict:
+    """Parse a TOML file; ValueError names the file and what is wrong with it."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # tomli is a dependency on Python 3.10
+        import tomli as tomllib
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; check the path") from None
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"{path} is not valid TOML: {err}; fix the file") from None
+
+
 def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True) -> Path:
     """Write `ds` as netCDF4 atomically; gzip keeps baselines at tens of kB."""
     encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} if compress else None
     with atomic_path(path) as tmp:
-        ds.to_netcdf(tmp, engine=NETCDF_ENGINE, encoding=encoding)
+        ds.to_netcdf(tmp, engine=NETCDF_ENGINE, encoding=encoding)  # type: ignore[call-overload]
     return Path(path)
 
 
 def load_dataset(path: str | os.PathLike) -> xr.Dataset:
     """Read a dataset written by `save_dataset` fully into memory (the file is closed after)."""
+    import xarray as xr
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no results file {str(path)!r}")

@@ -31,6 +31,7 @@ from pathlib import Path
 import xarray as xr
 
 from precision_suite import __version__, charts as _charts
+from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file
 
 STATUS_ORDER = ("fail", "error", "drift", "pass")  # report order: what needs a person first
@@ -149,7 +150,7 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
     for case, ds in datasets.items():
         if "attention_norm" not in ds.data_vars:
             continue
-        spec = _spec_of(ds)
+        spec = run_spec(ds)
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
     return [_save(out, f"overview-{case_slug(model)}-{case_slug(recipe)}-attention-norm.png",
@@ -160,14 +161,6 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
 def _save(out: Path, name: str, fig) -> str:
     _charts.save_figure(fig, out / "charts" / name)
     return f"charts/{name}"
-
-
-def _spec_of(ds: xr.Dataset) -> dict:
-    try:
-        spec = json.loads(ds.attrs.get("spec", "{}"))
-    except (TypeError, ValueError):
-        return {}
-    return spec if isinstance(spec, dict) else {}
 
 
 # --------------------------------------------------------------------------- summary

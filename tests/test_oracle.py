@@ -107,9 +107,10 @@ def test_nvfp4_matches_oracle_on_wide_data(layout):
         _assert_bits_equal(_ours(x, "nvfp4", layout), oracle_nvfp4(x, layout))
 
 
-def _all_finite_values(dtype) -> np.ndarray:
-    bits = np.arange(2 ** (8 if np.dtype(dtype).itemsize == 1 else 16), dtype=np.uint8 if np.dtype(dtype).itemsize == 1 else np.uint16)
-    values = bits.view(dtype).astype(np.float32)
+def all_finite_values(dtype) -> np.ndarray:
+    """Every finite value of an 8- or 16-bit ml_dtypes type, from all its bit patterns."""
+    width = np.uint8 if np.dtype(dtype).itemsize == 1 else np.uint16
+    values = np.arange(np.iinfo(width).max + 1, dtype=width).view(dtype).astype(np.float32)
     return values[np.isfinite(values)]
 
 
@@ -118,7 +119,7 @@ def test_every_fp8_bit_pattern_and_every_midpoint(fmt):
     """Each finite FP8 value, each midpoint between neighbours (ties) and its float32 neighbours,
     in a block whose amax is the format max (scale exactly 1)."""
     dtype, fmax = FP8[fmt]
-    grid = np.unique(_all_finite_values(dtype))
+    grid = np.unique(all_finite_values(dtype))
     mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
     probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])
     row = np.concatenate([probes, [F32(fmax)]]).astype(F32)[None, :]
@@ -128,7 +129,7 @@ def test_every_fp8_bit_pattern_and_every_midpoint(fmt):
 
 
 def test_every_bf16_bit_pattern_and_ties():
-    grid = np.unique(_all_finite_values(ml_dtypes.bfloat16))
+    grid = np.unique(all_finite_values(ml_dtypes.bfloat16))
     mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
     probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])[None, :]
     _assert_bits_equal(_ours(probes, "bf16", "tensor"), probes.astype(ml_dtypes.bfloat16).astype(F32))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from precision_suite import get_format, quantize
 from precision_suite import strategies as pst
 from precision_suite.layouts import as_2d, to_blocks
+from test_oracle import all_finite_values
 
 SETTINGS = settings(max_examples=60, deadline=None)
 ELEMENT_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml_dtypes.float4_e2m1fn, "bf16": ml_dtypes.bfloat16}
@@ -27,11 +28,7 @@ def cases(draw, formats=None, **tensor_kwargs):
 
 
 def _element_grid(fmt: str) -> np.ndarray:
-    dtype = ELEMENT_DTYPES[get_format(fmt).element.name]
-    n = 2 ** (8 * np.dtype(dtype).itemsize) if np.dtype(dtype).itemsize > 0 else 256
-    bits = np.arange(min(n, 2**16), dtype=np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint8)
-    values = bits.view(dtype).astype(np.float32)
-    return np.unique(values[np.isfinite(values)])
+    return np.unique(all_finite_values(ELEMENT_DTYPES[get_format(fmt).element.name]))
 
 
 def _per_element_scale(q, x) -> torch.Tensor:
