@@ -116,6 +116,7 @@ class RunSpec:
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        resolve_device(self.device)  # 'cuda' without a CUDA device fails here, before any training
         if self.model not in TRAINING_DEFAULTS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(TRAINING_DEFAULTS)}")
         get_attention(self.attention)  # unknown names list the known ones
@@ -340,7 +341,7 @@ def _dataset(
 _METRIC_DESCRIPTIONS = {
     "underflow": "fraction of elements non-zero before and zero after quantization (Transformer Engine underflows%)",
     "zeros_after": "fraction of elements zero after quantization (the Ling 2.0 paper's count)",
-    "overflow": "fraction of elements saturated at the format maximum",
+    "overflow": "fraction of elements saturated at the format maximum or non-finite after quantization",
     "distortion": "cosine similarity of the tensor and its quantize-dequantize reconstruction",
     "sqnr_db": "20 log10(||x|| / ||x - x_hat||), dB",
     "mse": "mean squared error of the reconstruction",

@@ -129,6 +129,7 @@ def test_run_restores_threads_and_rng_and_reports_progress():
         ({"batch_size": 1}, r"gradient_transpose \(32x384\) into 128x1 blocks"),
         ({"width": 64}, r"activation \(128x64\) into 1x128 blocks"),
         ({"device": "tpu"}, "device must be one of auto, cpu, cuda"),
+        *([] if torch.cuda.is_available() else [({"device": "cuda"}, "torch sees no CUDA device")]),
         ({"lr": float("nan")}, "lr must be a positive finite number"),
         ({"model": "vit", "seq_len": 9}, r"tokens \(seq_len\) must be one of \(4, 16, 64\)"),
     ],
