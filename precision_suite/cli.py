@@ -405,16 +405,22 @@ def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | li
 
 
 def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str) -> int:
-    from precision_suite import reports
+    from precision_suite import matrix, reports
 
     reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts)
+    blocking = []
     for verdict in verdicts:
         first = f": {verdict.findings[0].message}" if verdict.findings else ""
         more = f" (+{len(verdict.findings) - 1} more)" if len(verdict.findings) > 1 else ""
         print(f"{verdict.status.upper():5} {verdict.case}{first}{more}")
+        known = matrix.KNOWN_VIOLATIONS.get(verdict.case)
+        # a known violation excuses its threshold findings only, never a baseline regression
+        if known and verdict.status == "fail" and all(f.kind == "threshold" for f in verdict.findings):
+            print(f"      known violation, not failing the run: {known}")
+        elif verdict.status in ("fail", "error"):
+            blocking.append(verdict)
     print(f"report: {report_dir / 'index.html'}")
-    worst = reports.overall_status([v.status for v in verdicts])
-    return EXIT_REGRESSION if worst in ("fail", "error") else EXIT_OK
+    return EXIT_REGRESSION if blocking else EXIT_OK
 
 
 def _report_dir(given: str | None) -> Path:

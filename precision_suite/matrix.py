@@ -19,6 +19,16 @@ GPT_RECIPES = {"fp8-block": (), "mxfp8": ("mxfp8", "nvfp4"), "nvfp4": ("mxfp8", 
 # The smoke subset: one bounded and one unbounded attention variant, and the FP8 block recipe.
 QUICK_CASES = ("vit-softmax-fp32", "vit-x-1-fp32", "gpt-softmax-fp8-block")
 
+# Numerics problems this suite found and keeps visible: their threshold findings are reported but
+# do not fail `precision-suite run` (tests/test_matrix.py marks them strict xfail); a baseline
+# regression in these cases still fails. Cubic attention passes gradients through
+# phi'(S) = 3 S^2 / c, near zero for the many small scores, so the gradients entering the block
+# linears span more binades than one (1, 128) FP8 tile holds: 1-2% of them flush to zero
+# (measured 1.2e-2 and 2.0e-2; 1.0e-2 and 1.4e-2 with 2 threads) against at most 1.3e-4 for every
+# other variant, where the project's rule allows 1e-3.
+CUBIC_UNDERFLOW = "cubic attention flushes 1-2% of FP8 (1, 128) gradient tiles (rule: <= 0.1%)"
+KNOWN_VIOLATIONS = {"vit-x3-1-fp32": CUBIC_UNDERFLOW, "vit-x3-sqrtN-fp32": CUBIC_UNDERFLOW}
+
 
 def default_matrix(quick: bool = False) -> list[RunSpec]:
     """The RunSpecs of the default matrix (or of its quick subset)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from precision_suite.matrix import QUICK_CASES, default_matrix
+from precision_suite.matrix import KNOWN_VIOLATIONS, QUICK_CASES, default_matrix
 from precision_suite.runs import RunSpec, case_id
 
 # Bounded attention variants: normalised rows (softmax) or a bias of -log N (sigmoid) keep the
@@ -31,15 +31,6 @@ def case_rules(spec: RunSpec) -> list[str]:
         rules += [f"underflow <= {GRADIENT_TRANSPOSE_UNDERFLOW[spec.recipe]:g} @ tensor=gradient_transpose, layout=128x1",
                   "distortion >= 0.999 @ tensor=gradient_transpose, layout=128x1"]
     return rules
-
-
-# Numerics problems this suite found and keeps visible (strict: a fix turns them red too).
-# Cubic attention passes gradients through phi'(S) = 3 S^2 / c, near zero for the many small
-# scores, so the gradients entering the block linears span more binades than one (1, 128) FP8
-# tile holds: 1-2% of them flush to zero (measured 1.2e-2 and 2.0e-2; 1.0e-2 and 1.4e-2 with 2
-# threads) against at most 1.3e-4 for every other variant. The rule's bound is 1e-3.
-CUBIC_UNDERFLOW = "cubic attention flushes 1-2% of FP8 (1, 128) gradient tiles (rule: <= 0.1%)"
-KNOWN_VIOLATIONS = {"vit-x3-1-fp32": CUBIC_UNDERFLOW, "vit-x3-sqrtN-fp32": CUBIC_UNDERFLOW}
 
 
 def _param(spec: RunSpec):
