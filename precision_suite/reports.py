@@ -64,13 +64,14 @@ def new_report_dir(root: str | Path = "reports") -> Path:
 
 def write_report(verdicts: Sequence, out_dir: str | Path,
                  datasets: Mapping[str, xr.Dataset] | None = None,
-                 charts: str = "failing") -> Path:
+                 charts: str = "failing", known: Mapping[str, str] | None = None) -> Path:
     """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
     for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`,
     which also adds one attention-norm overview per model and recipe across variants). Chart files
     named by the verdicts (drift charts) are copied into the folder so that it stands alone.
+    `known` maps a case to the reason its failure is a known violation (shown beside it).
     """
     if charts not in CHART_CHOICES:
         raise ValueError(f"write_report: charts={charts!r}; use one of {', '.join(CHART_CHOICES)}")
@@ -91,7 +92,7 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
     overview = _draw_overviews(out, datasets) if charts == "all" else []
 
-    summary = _summary(entries, overview)
+    summary = _summary(entries, overview, known or {})
     _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _write_text(out / "summary.md", _markdown(summary, out))
     _write_text(out / "index.html", _html(summary, entries, out))
@@ -183,18 +184,21 @@ def _jsonable(value):
     return str(value)
 
 
-def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str]) -> dict:
-    statuses = [str(e.verdict.status) for e in entries]
+def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapping[str, str]) -> dict:
+    # known violations are listed with their status but do not set the overall verdict
+    statuses = [str(e.verdict.status) for e in entries if e.verdict.case not in known]
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "package_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "overall": overall_status(statuses),
-        "counts": {status: statuses.count(status) for status in STATUS_ORDER},
+        "counts": {**{status: statuses.count(status) for status in STATUS_ORDER},
+                   "known": sum(e.verdict.case in known for e in entries)},
         "overview_charts": list(overview),
         "cases": [{"case": e.verdict.case, "status": e.verdict.status,
                    "findings": [_jsonable(f) for f in e.verdict.findings],
-                   "charts": list(e.charts), "missing_charts": list(e.missing_charts)}
+                   "charts": list(e.charts), "missing_charts": list(e.missing_charts),
+                   "known_violation": known.get(e.verdict.case)}
                   for e in entries],
     }
 
@@ -202,7 +206,8 @@ def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str]) -> dict:
 def _headline(summary: dict) -> str:
     counts = summary["counts"]
     parts = [f"{counts[s]} {word}" for s, word in
-             (("fail", "failing"), ("error", "erroring"), ("drift", "drifting"), ("pass", "passing"))
+             (("fail", "failing"), ("error", "erroring"), ("drift", "drifting"), ("pass", "passing"),
+              ("known", "known violations"))
              if counts[s]]
     return f"precision-suite: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
 
@@ -215,12 +220,15 @@ def _markdown(summary: dict, out: Path) -> str:
              "|---|---|---|---|"]
     for case in summary["cases"]:
         first = case["findings"][0]["message"] if case["findings"] else ""
-        lines.append(f"| {STATUS_BADGE[case['status']]} | `{cell(case['case'])}` | "
+        badge = STATUS_BADGE[case["status"]] + (" (known)" if case["known_violation"] else "")
+        lines.append(f"| {badge} | `{cell(case['case'])}` | "
                      f"{len(case['findings'])} | {cell(first)} |")
     for case in summary["cases"]:
         if case["status"] == "pass":
             continue
         lines += ["", f"### {STATUS_BADGE[case['status']]} `{case['case']}`", ""]
+        if case["known_violation"]:
+            lines.append(f"- known violation, not failing the run: {case['known_violation']}")
         shown = case["findings"][:MAX_FINDINGS_IN_MARKDOWN]
         lines += [f"- {f['message']}" for f in shown]
         if len(case["findings"]) > len(shown):
@@ -278,7 +286,9 @@ def _html(summary: dict, entries: Sequence[_CaseEntry], out: Path) -> str:
         sections.append(
             f'<section id="case-{i}"><h2 class="{esc(case["status"])}">'
             f'{esc(STATUS_BADGE[case["status"]])} {esc(case["case"])}</h2>'
-            f'{_findings_table(case["findings"])}{missing}'
+            + (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
+               if case["known_violation"] else "")
+            + f'{_findings_table(case["findings"])}{missing}'
             + "".join(_figure_html(out, rel) for rel in case["charts"]) + "</section>")
     overview = "".join(_figure_html(out, rel) for rel in summary["overview_charts"])
     overview_section = f"<section><h2>Attention norm overview</h2>{overview}</section>" if overview else ""

@@ -106,7 +106,7 @@ def test_cases_are_ordered_fail_error_drift_pass(tmp_path):
     out = reports.write_report(made, tmp_path)
     summary = _strict_json(out / "summary.json")
     assert [c["status"] for c in summary["cases"]] == ["fail", "error", "drift", "pass"]
-    assert summary["counts"] == {"fail": 1, "error": 1, "drift": 1, "pass": 1}
+    assert summary["counts"] == {"fail": 1, "error": 1, "drift": 1, "pass": 1, "known": 0}
     nan_finding = summary["cases"][1]["findings"][0]
     assert nan_finding["value"] == "nan"  # JSON has no NaN; strict parsing above succeeded
 
