@@ -20,6 +20,8 @@ class ElementType:
 
     Only what rounding needs is stored: exponent and mantissa widths, the exponent bias and the
     largest finite value (which differs from the IEEE rule for `fn` types such as e4m3fn).
+    `torch_dtype` names torch's own type for the grid, when it has one: its cast rounds the same
+    way and runs about twice as fast as the bit arithmetic (quantization.round_to_element).
     """
 
     name: str
@@ -27,6 +29,7 @@ class ElementType:
     man_bits: int
     bias: int
     max: float
+    torch_dtype: str | None = None
 
     @property
     def emin(self) -> int:
@@ -47,10 +50,10 @@ class ElementType:
         return self.max + 2.0 ** (self.emax - self.man_bits - 1)
 
 
-E4M3 = ElementType("e4m3", exp_bits=4, man_bits=3, bias=7, max=448.0)
-E5M2 = ElementType("e5m2", exp_bits=5, man_bits=2, bias=15, max=57344.0)
-E2M1 = ElementType("e2m1", exp_bits=2, man_bits=1, bias=1, max=6.0)
-BF16 = ElementType("bf16", exp_bits=8, man_bits=7, bias=127, max=float.fromhex("0x1.fep127"))
+E4M3 = ElementType("e4m3", exp_bits=4, man_bits=3, bias=7, max=448.0, torch_dtype="float8_e4m3fn")
+E5M2 = ElementType("e5m2", exp_bits=5, man_bits=2, bias=15, max=57344.0, torch_dtype="float8_e5m2")
+E2M1 = ElementType("e2m1", exp_bits=2, man_bits=1, bias=1, max=6.0)  # torch has no CPU float4 cast
+BF16 = ElementType("bf16", exp_bits=8, man_bits=7, bias=127, max=float.fromhex("0x1.fep127"), torch_dtype="bfloat16")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Quantize-dequantize: the one place where scale rules and element rounding live.
 
-Everything is exact float32 arithmetic in torch (no float8 casts), so it behaves the same on
-every torch release and device and can be checked bit for bit against ml_dtypes.
+Scales are float32 arithmetic; elements round through torch's own cast where the element type
+has one (values clamped first, so every torch release agrees) and through exact bit arithmetic
+otherwise (E2M1, or any newly declared minifloat). Both are checked bit for bit against ml_dtypes.
 
 Non-finite inputs: NaN and +-Inf do not take part in a block's amax (they would wipe out the
 whole block); NaN stays NaN and +-Inf saturates to +-max times the block scale. metrics.py counts
@@ -31,7 +32,19 @@ _F32_MAN_BITS = 23
 
 
 def round_to_element(y: torch.Tensor, element: ElementType) -> torch.Tensor:
-    """Round float32 `y` (already within +-element.max) to the nearest element, ties to even."""
+    """Round float32 `y` (already within +-element.max) to the nearest element, ties to even.
+
+    torch's own cast where the element has a torch type (callers clamp first: older torch
+    releases turn e4m3 values past 464 into NaN instead of saturating), else exact bit arithmetic.
+    Both are checked bit for bit against ml_dtypes (tests/test_oracle.py).
+    """
+    if element.torch_dtype is not None:
+        return y.to(getattr(torch, element.torch_dtype)).to(torch.float32)
+    return round_by_bits(y, element)
+
+
+def round_by_bits(y: torch.Tensor, element: ElementType) -> torch.Tensor:
+    """`round_to_element` in float32 arithmetic on the bit pattern: any minifloat grid."""
     if element.emin - element.man_bits >= -126:
         # The element's quantum at y's binade, floored at the subnormal quantum, is a normal float32:
         # y / quantum is exact and torch.round rounds half to even.
@@ -111,8 +124,10 @@ def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, pow2_sc
 
     # fx_graph_cache off: inductor's on-disk cache has served a kernel compiled for other dynamic
     # shapes here (wrong e5m2 values, caught by tests/test_oracle.py), so compile afresh.
+    # emulate_precision_casts: inductor otherwise drops the float32 -> bfloat16 -> float32 round
+    # trip that *is* the bf16 quantization (caught by the same tests).
     return torch.compile(static_shapes if static else dynamic_shapes, dynamic=not static,
-                         options={"fx_graph_cache": False})
+                         options={"fx_graph_cache": False, "emulate_precision_casts": True})
 
 
 def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> T:

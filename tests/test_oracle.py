@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quantize
+from precision_suite.formats import BF16, E2M1, E4M3, E5M2
+from precision_suite.quantization import round_by_bits, round_to_element
 from precision_suite import strategies as pst
 
 F32 = np.float32
@@ -140,3 +142,18 @@ def test_every_bf16_bit_pattern_and_ties():
        fmt=st.sampled_from(["e4m3", "e5m2"]), layout=pst.layouts(max_block=40))
 def test_fp8_matches_oracle_property(x, fmt, layout):
     _assert_bits_equal(_ours(x.numpy(), fmt, layout), oracle_fp8(x.numpy(), fmt, layout))
+
+
+@pytest.mark.parametrize("element, dtype", [(E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2),
+                                            (E2M1, ml_dtypes.float4_e2m1fn), (BF16, ml_dtypes.bfloat16)],
+                         ids=lambda v: getattr(v, "name", ""))
+@pytest.mark.parametrize("rounding", [round_to_element, round_by_bits], ids=["torch-cast", "bit-arithmetic"])
+def test_both_rounding_paths_match_ml_dtypes_on_every_value_and_tie(element, dtype, rounding):
+    """torch's cast (where the element has a torch type) and the bit arithmetic (any minifloat:
+    what a newly declared format uses) round every grid value, midpoint and neighbour alike."""
+    grid = np.unique(all_finite_values(dtype))
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
+    probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])
+    probes = np.clip(probes, -element.max, element.max).astype(F32)
+    ours = rounding(torch.from_numpy(probes), element).numpy()
+    _assert_bits_equal(ours, probes.astype(dtype).astype(F32))
