@@ -1,7 +1,7 @@
 """Low-precision number formats, declared as data.
 
 A format is an element type (a minifloat grid) plus a scale rule. Adding a format is a few lines
-in `FORMATS`; the arithmetic lives once, in quantize.py, keyed by `Format.scale_rule`.
+in `FORMATS`; the arithmetic lives once, in quantization.py, keyed by `Format.scale_rule`.
 Definitions follow ../shared/SCIENCE.md and the OCP Microscaling v1.0 spec.
 """
 
