@@ -13,10 +13,8 @@ direction per metric from `DEFAULT_TOLERANCES`. docs/baselines.md gives the reas
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.checks import TIME_DIMS, Finding, format_where, to_python
-from precision_suite.files import SCHEMA_VERSION, save_dataset
+from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
 EXECUTION_FIELDS = ("device",)  # spec fields that do not define the case (see spec_differences)
@@ -153,14 +151,8 @@ def tolerances_from_config(table: Mapping[str, Any]) -> ToleranceOverrides:
 
 
 def baseline_path(baseline_dir: str | os.PathLike, case: str) -> Path:
-    """`<baseline_dir>/<case>.nc`, with characters unsafe in file names replaced.
-
-    A replaced name gets a short hash of the exact case id, so distinct cases never share a file.
-    """
-    safe = re.sub(r"[^A-Za-z0-9._+=-]", "_", case)
-    if safe != case or not case:
-        safe = f"{safe}-{hashlib.sha1(case.encode()).hexdigest()[:8]}"
-    return Path(baseline_dir) / f"{safe}.nc"
+    """`<baseline_dir>/<case>.nc`, the case id made file-name safe (`files.safe_filename`)."""
+    return Path(baseline_dir) / f"{safe_filename(case)}.nc"
 
 
 def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
@@ -173,6 +165,20 @@ def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
         raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
                             "save datasets made by precision_suite.runs.run")
     return save_dataset(ds, path)
+
+
+def update_baseline(ds: xr.Dataset, path: str | os.PathLike) -> bool:
+    """Write `ds` as the baseline at `path` unless it already holds exactly these numbers (no
+    churn in git); True when written. A missing, stale or corrupt file is replaced."""
+    try:
+        existing = load_baseline(path, expected_spec=ds.attrs["spec"],
+                                 expected_schema_version=int(ds.attrs["schema_version"]))
+    except BaselineError:
+        existing = None
+    if existing is not None and same_numbers(existing, ds):
+        return False
+    save_baseline(ds, path)
+    return True
 
 
 def default_regen_hint(case: str) -> str:
@@ -192,7 +198,7 @@ def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, 
     if not path.is_file():
         raise BaselineError(f"no baseline {path}; create it with: {hint}")
     try:
-        with xr.open_dataset(path, engine="h5netcdf") as stored:
+        with xr.open_dataset(path, engine=NETCDF_ENGINE) as stored:
             ds = stored.load()
     except Exception as err:  # h5py/xarray raise many types for a damaged file
         raise BaselineError(f"baseline {path} is corrupt or not a netCDF file "
@@ -400,8 +406,9 @@ def _coordinate_mismatch(cur: xr.DataArray, base: xr.DataArray) -> str:
     parts = []
     for dim in cur.dims:
         a, b = [to_python(v) for v in cur[dim].values], [to_python(v) for v in base[dim].values]
-        only_cur = [v for v in a if v not in set(b)]  # lists keep the order; sizes are tiny
-        only_base = [v for v in b if v not in set(a)]
+        in_a, in_b = set(a), set(b)
+        only_cur = [v for v in a if v not in in_b]  # lists keep the order
+        only_base = [v for v in b if v not in in_a]
         if only_cur:
             parts.append(f"{dim} {only_cur} only in the current run")
         if only_base:

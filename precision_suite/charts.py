@@ -13,7 +13,6 @@ layer, over tokens seen.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file
 
 DPI = 100
@@ -57,7 +57,7 @@ QUANT_PANELS = (
 )
 QUANT_ROWS = ("underflow", "distortion")
 
-# (metric, reference values, tolerance) -> (lower, upper) edges of the accepted band
+# (metric, reference values over time) -> (lower, upper) edges of the accepted band, or None
 ToleranceBand = Callable[[str, np.ndarray], "tuple[np.ndarray, np.ndarray] | None"]
 
 
@@ -256,12 +256,7 @@ def _describe_runs(datasets: Mapping[str, xr.Dataset]) -> str:
     """Title text: the case for one run; the spec fields the runs share for several."""
     if len(datasets) == 1:
         return str(next(iter(datasets.values())).attrs.get("case", next(iter(datasets))))
-    specs = []
-    for ds in datasets.values():
-        try:
-            specs.append(json.loads(ds.attrs.get("spec", "{}")))
-        except (TypeError, ValueError):
-            specs.append({})
+    specs = [run_spec(ds) for ds in datasets.values()]
     shared = [f"{field} {specs[0][field]}" for field in ("model", "recipe")
               if field in specs[0] and all(s.get(field) == specs[0][field] for s in specs)]
     return ", ".join(shared + [f"{len(datasets)} runs"])

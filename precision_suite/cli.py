@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shlex
 import sys
 import time
@@ -208,15 +207,7 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
         case = runs.case_id(spec)
         ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
         path = baselines.baseline_path(args.baseline_dir, case)
-        try:
-            unchanged = baselines.same_numbers(baselines.load_baseline(path, expected_spec=ds.attrs["spec"]), ds)
-        except baselines.BaselineError:  # missing, stale or corrupt: write it
-            unchanged = False
-        if unchanged:  # no churn in git for numbers that did not move
-            print(f"unchanged {path}")
-            continue
-        baselines.save_baseline(ds, path)
-        print(f"wrote {path}")
+        print(f"{'wrote' if baselines.update_baseline(ds, path) else 'unchanged'} {path}")
     print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {args.baseline_dir}` "
           "and commit them with the change that explains them")
     return EXIT_OK
@@ -389,7 +380,7 @@ def _load_rules(pyproject: str) -> tuple[tuple, dict]:
 
 def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | list, report_dir: Path):
     """The verdict of one case, with a drift chart when anything was found."""
-    from precision_suite import baselines, charts, checks, reports
+    from precision_suite import baselines, charts, checks, files
 
     try:
         findings = [] if reference is None else baselines.compare(current, reference, tolerances)
@@ -398,7 +389,7 @@ def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | li
     findings += checks.check_rules(current, rules, case)
     chart_paths = []
     if any(f.kind != "error" for f in findings):
-        path = report_dir / "charts" / f"{reports.case_slug(case)}-drift.png"
+        path = report_dir / "charts" / f"{files.safe_filename(case)}-drift.png"
         charts.plot_drift(current, reference, findings, path=path)
         chart_paths.append(str(path))
     return checks.verdict(case, findings, chart_paths)
@@ -437,9 +428,9 @@ def _report_dir(given: str | None) -> Path:
 
 
 def _result_path(folder: str, case: str) -> Path:
-    from precision_suite import reports
+    from precision_suite import files
 
-    return Path(folder) / f"{reports.case_slug(case)}.nc"
+    return Path(folder) / f"{files.safe_filename(case)}.nc"
 
 
 def _load_results(location: str, what: str) -> dict:
@@ -498,12 +489,10 @@ def _pair_results(base: dict, new: dict, base_location: str, new_location: str) 
 
 
 def _raise_spec_mismatch(case: str, base_ds, new_ds, spec_differences, context: str) -> None:
-    def spec(ds) -> dict:
-        try:
-            value = json.loads(ds.attrs.get("spec", "{}"))
-        except (TypeError, ValueError):
-            value = None
-        return value if isinstance(value, dict) else {"spec": ds.attrs.get("spec")}
+    from precision_suite.checks import run_spec
+
+    def spec(ds) -> dict:  # an unreadable spec is compared as its raw text
+        return run_spec(ds) or {"spec": ds.attrs.get("spec")}
 
     differences = spec_differences(spec(base_ds), spec(new_ds)) or ["spec attributes differ"]
     prefix = f"{context}; " if context else f"case {case}: "

@@ -8,7 +8,9 @@ complete. Unique names (not mkstemp) keep the usual file permissions and are saf
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -39,6 +41,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary handle whose content replaces `path` when the block succeeds."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         yield handle
+
+
+def safe_filename(name: str) -> str:
+    """A file-name-safe form of a case id (or any name); a hash keeps ids that differ only in
+    symbols apart. Case ids (runs.case_id) are already safe and pass through unchanged."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "case"
+    if safe == name:
+        return safe
+    return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def read_toml(path: str | os.PathLike) -> dict:

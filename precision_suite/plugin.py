@@ -250,13 +250,7 @@ def _regenerate(node: pytest.Item, ds: xr.Dataset, path: Path) -> None:
     """Write the baseline, unless it already holds exactly these numbers (no churn in git)."""
     from precision_suite import baselines
 
-    try:
-        existing = baselines.load_baseline(path, expected_spec=ds.attrs["spec"],
-                                           expected_schema_version=int(ds.attrs["schema_version"]))
-    except baselines.BaselineError:
-        existing = None
-    if existing is None or not baselines.same_numbers(existing, ds):
-        baselines.save_baseline(ds, path)
+    if baselines.update_baseline(ds, path):
         node.user_properties.append((BASELINE_PROPERTY, str(path)))
 
 

@@ -27,22 +27,19 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from precision_suite.formats import get_format
-from precision_suite.layouts import layout_label, parse_layout
+from precision_suite.layouts import Layout, layout_label, parse_layout
 from precision_suite.metrics import QuantStats, quant_stats
 from precision_suite.quantization import quantize
 
 TENSOR_ROLES = ("activation", "gradient", "gradient_transpose", "weight")
 QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
-
-Layout = Union[str, tuple[int, int]]
-
 
 def transpose_layout(layout: Layout) -> Layout:
     return layout if layout == "tensor" else (layout[1], layout[0])
@@ -109,14 +106,17 @@ class LinearTap:
     share one dict, so their counts and dot products add up before any ratio is taken.
     """
 
-    def __init__(self, schemes: Sequence[Scheme], sums: dict[tuple[str, str], QuantStats]):
-        self.schemes = tuple(schemes)
+    def __init__(self, schemes: Sequence[Scheme], sums: dict[tuple[str, str], QuantStats]) -> None:
+        # (format, role -> (label, layout)) worked out once, not on each of a step's many tensors
+        self.measured = [(s.fmt, {role: (s.role_labels()[role], layout) for role, layout in s.role_layouts().items()})
+                         for s in schemes]
         self.sums = sums
 
     def _add(self, role: str, tensor: Tensor) -> None:
-        for scheme in self.schemes:
-            key = (role, scheme.role_labels()[role])
-            stats = quant_stats(tensor.detach(), scheme.fmt, scheme.role_layouts()[role])
+        for fmt, roles in self.measured:
+            label, layout = roles[role]
+            key = (role, label)
+            stats = quant_stats(tensor.detach(), fmt, layout)
             self.sums[key] = stats if key not in self.sums else self.sums[key] + stats
 
     def forward_operands(self, x: Tensor, weight: Tensor) -> None:
@@ -142,21 +142,23 @@ class QuantLinearFn(torch.autograd.Function):
         else:
             x_used, weight_used = x2d, weight
         y = F.linear(x_used, weight_used, bias)
-        # the originals are saved: the backward GEMMs quantize them with their own (transposed) layouts
-        ctx.save_for_backward(x2d, weight)
+        # the originals are saved: the backward GEMMs quantize them with their own (transposed)
+        # layouts, except a weight whose layout is its own transpose ((128, 128), tensor): reused
+        ctx.save_for_backward(x2d, weight, weight_used)
         ctx.recipe, ctx.tap, ctx.x_shape, ctx.has_bias = recipe, tap, x.shape, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        x2d, weight = ctx.saved_tensors
+        x2d, weight, weight_used = ctx.saved_tensors
         recipe = ctx.recipe
         dy = grad_output.reshape(-1, grad_output.shape[-1])
         if ctx.tap is not None:
             ctx.tap.backward_operand(dy)
         if recipe is not None:
             dy_dgrad = _fake_quant(dy, recipe.fmt, recipe.gradient)
-            weight_dgrad = _fake_quant(weight, recipe.fmt, transpose_layout(recipe.weight))
+            dgrad_layout = transpose_layout(recipe.weight)
+            weight_dgrad = weight_used if dgrad_layout == recipe.weight else _fake_quant(weight, recipe.fmt, dgrad_layout)
             dy_wgrad = _fake_quant(dy, recipe.fmt, transpose_layout(recipe.gradient))
             x_wgrad = _fake_quant(x2d, recipe.fmt, transpose_layout(recipe.activation))
         else:

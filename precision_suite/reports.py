@@ -18,11 +18,9 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as _dt
-import hashlib
 import html
 import json
 import math
-import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ import xarray as xr
 
 from precision_suite import __version__, charts as _charts
 from precision_suite.checks import run_spec
-from precision_suite.files import atomic_file
+from precision_suite.files import atomic_file, safe_filename
 
 STATUS_ORDER = ("fail", "error", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "drift": "🔶 drift", "pass": "✅ pass"}
@@ -95,7 +93,7 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     summary = _summary(entries, overview, known or {})
     _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _write_text(out / "summary.md", _markdown(summary, out))
-    _write_text(out / "index.html", _html(summary, entries, out))
+    _write_text(out / "index.html", _html(summary, out))
     return out
 
 
@@ -105,14 +103,6 @@ def overall_status(statuses: Sequence[str]) -> str:
 
 
 # --------------------------------------------------------------------------- charts
-
-
-def case_slug(case: str) -> str:
-    """A file-name-safe form of a case id; a hash keeps ids that differ only in symbols apart."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", case).strip("_") or "case"
-    if safe == case:
-        return safe
-    return f"{safe}-{hashlib.sha1(case.encode()).hexdigest()[:8]}"
 
 
 def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], list[str]]:
@@ -127,7 +117,7 @@ def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], lis
             continue
         except ValueError:
             pass
-        target = out / "charts" / f"{case_slug(case)}-{source.name}"
+        target = out / "charts" / f"{safe_filename(case)}-{source.name}"
         target.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(target) as handle, source.open("rb") as original:
             shutil.copyfileobj(original, handle)
@@ -138,10 +128,10 @@ def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], lis
 def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
     drawn = []
     if "attention_norm" in ds.data_vars:
-        drawn.append(_save(out, f"{case_slug(case)}-attention-norm.png",
+        drawn.append(_save(out, f"{safe_filename(case)}-attention-norm.png",
                            _charts.plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
     if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
-        drawn.append(_save(out, f"{case_slug(case)}-quant-error.png", _charts.plot_quant_error(ds)))
+        drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", _charts.plot_quant_error(ds)))
     return drawn
 
 
@@ -154,7 +144,7 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
         spec = run_spec(ds)
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
-    return [_save(out, f"overview-{case_slug(model)}-{case_slug(recipe)}-attention-norm.png",
+    return [_save(out, f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
                   _charts.plot_attention_norm(group))
             for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
 
@@ -273,7 +263,7 @@ def _findings_table(findings: Sequence[dict]) -> str:
             f"<th>reference</th><th>tolerance</th><th>message</th></tr>{rows}</table>")
 
 
-def _html(summary: dict, entries: Sequence[_CaseEntry], out: Path) -> str:
+def _html(summary: dict, out: Path) -> str:
     esc = html.escape
     overview_rows = "".join(
         f'<tr><td class="{esc(c["status"])}">{esc(STATUS_BADGE[c["status"]])}</td>'

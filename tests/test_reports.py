@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import charts, reports
+from precision_suite import charts, files, reports
 from precision_suite.baselines import compare
 from precision_suite.checks import CaseVerdict, Finding, verdict
 from synthetic_data import make_run_dataset
@@ -135,10 +135,10 @@ def test_missing_chart_file_is_reported_not_fatal(tmp_path):
 
 
 def test_case_ids_with_symbols_get_distinct_safe_file_names():
-    names = {reports.case_slug(case) for case in ("vit-x^3/1-fp32", "vit-x^3_1-fp32", "vit-x3-1-fp32")}
+    names = {files.safe_filename(case) for case in ("vit-x^3/1-fp32", "vit-x^3_1-fp32", "vit-x3-1-fp32")}
     assert len(names) == 3
     assert all("/" not in name and "^" not in name for name in names)
-    assert reports.case_slug("vit-x3-1-fp32") == "vit-x3-1-fp32"
+    assert files.safe_filename("vit-x3-1-fp32") == "vit-x3-1-fp32"
 
 
 def test_report_leaves_no_temp_files_and_html_escapes_messages(tmp_path):
