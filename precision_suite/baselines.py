@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from precision_suite.checks import TIME_DIMS, Finding, format_where, to_python
+from precision_suite.findings import TIME_DIMS, Finding, format_where, to_python
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
-EXECUTION_FIELDS = ("device",)  # spec fields that do not define the case (see spec_differences)
+EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
 SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
 
 
@@ -225,11 +225,25 @@ def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, 
     return ds
 
 
+def load_ensemble(path: str | os.PathLike, **kwargs: Any) -> xr.Dataset:
+    """`load_baseline`, then check that the file is a seed ensemble (BaselineError otherwise)."""
+    from precision_suite.ensemble import EnsembleError, check_ensemble
+
+    ds = load_baseline(path, **kwargs)
+    try:
+        check_ensemble(ds, path)
+    except EnsembleError as err:
+        hint = kwargs.get("regen_hint") or default_regen_hint(str(ds.attrs.get("case", Path(path).stem)))
+        raise BaselineError(f"{err}; recreate it with: {hint}") from None
+    return ds
+
+
 def spec_differences(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """One 'field: baseline X, current Y' line per spec field that differs.
 
-    Fields in EXECUTION_FIELDS say where a case ran, not what it is, and are not compared: the
-    fingerprint records the device, and the tolerances are chosen to absorb its rounding.
+    Fields in EXECUTION_FIELDS say how a run of the case was made, not what the case is, and are
+    not compared: a baseline is a seed ensemble judged for any seed, and device and thread count
+    change only rounding, which the comparison is calibrated to absorb.
     """
     fields = sorted((set(baseline) | set(current)) - set(EXECUTION_FIELDS))
     return [f"{name}: baseline {baseline.get(name, '<absent>')!r}, current {current.get(name, '<absent>')!r}"
@@ -419,3 +433,52 @@ def _coordinate_mismatch(cur: xr.DataArray, base: xr.DataArray) -> str:
 def _error(case: str, metric: str, message: str) -> Finding:
     return Finding(case=case, kind="error", metric=metric, where={}, value=float("nan"),
                    reference=float("nan"), tolerance=float("nan"), message=f"{case}: {message}")
+
+
+# --------------------------------------------------------------------------- seed ensembles
+
+
+def ensemble_tasks(spec: Any, seeds: Sequence[int] | None = None) -> list:
+    """The runs that make `spec`'s baseline: one per ensemble seed, and per seed its first step
+    under each rounding-only perturbation (which calibrates the first-point tolerance)."""
+    from precision_suite.ensemble import ENSEMBLE_SEEDS, ROUNDING_PERTURBATIONS
+    from precision_suite.execution import Task
+
+    seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
+    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"seed {seed}") for seed in seeds]
+    for perturbation in ROUNDING_PERTURBATIONS:
+        changes = {k: v for k, v in perturbation.items() if k != "env"}
+        for seed in seeds:
+            twin = dataclasses.replace(spec, seed=seed, steps=1, **changes)
+            tasks.append(Task(twin, env=perturbation.get("env", {}),
+                              label=f"seed {seed} first step, {perturbation}"))
+    return tasks
+
+
+def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int) -> xr.Dataset:
+    """The ensemble baseline from the results of `ensemble_tasks` (in their order)."""
+    from precision_suite.ensemble import first_step_tolerance, make_ensemble
+
+    runs, twins = list(results[:n_seeds]), list(results[n_seeds:])
+    return make_ensemble(runs, first_step_tolerance(runs, twins))
+
+
+def regenerate(specs: Sequence[Any], baseline_dir: str | os.PathLike, workers: int = 1,
+               progress: Any = None, seeds: Sequence[int] | None = None) -> list[tuple[Path, bool]]:
+    """Train every spec's ensemble (all cases' runs share one pool) and write each baseline that
+    changed; returns (path, written) per spec. Used by the command line and --precision-regen."""
+    from precision_suite.ensemble import ENSEMBLE_SEEDS
+    from precision_suite.execution import run_tasks
+    from precision_suite.runs import case_id
+
+    n_seeds = len(tuple(ENSEMBLE_SEEDS if seeds is None else seeds))
+    per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
+    flat = [task for tasks in per_spec for task in tasks]
+    results = run_tasks(flat, workers, progress)
+    written, start = [], 0
+    for spec, tasks in zip(specs, per_spec):
+        ensemble = build_ensemble(results[start:start + len(tasks)], n_seeds)
+        start += len(tasks)
+        path = baseline_path(baseline_dir, case_id(spec))
+        written.append((path, update_baseline(ensemble, path)))
+    return written

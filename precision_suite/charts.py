@@ -303,12 +303,27 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
 
     xs = var[x_dim].values if x_dim else np.zeros(1)
     for colour, (label, where) in zip(_palette(len(series)), series):
-        ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, label=f"{label} current")
-        if reference is not None:
+        ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, linewidth=2.2,
+                label=f"{label} current")
+        if reference is not None and "seed" in reference.dims:
+            # a seed ensemble: every seed faint, the accepted band shaded, the current run bold
+            from precision_suite.ensemble import ensemble_band
+
+            ref_x = reference[x_dim].values if x_dim else xs
+            for i, seed in enumerate(reference["seed"].values):
+                ax.plot(ref_x, np.atleast_1d(reference.sel(where).sel(seed=seed).values.astype(float)),
+                        color=colour, linewidth=0.8, alpha=0.35,
+                        label=f"{label} baseline seeds" if i == 0 else None)
+            edges = ensemble_band(panel.metric, current, baseline, {**dict(panel.fixed), **where}) \
+                if compared else None
+        elif reference is not None:
             ref = np.atleast_1d(reference.sel(where).values.astype(float))
             ref_x = reference[x_dim].values if x_dim else xs
             ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} baseline")
             edges = band(panel.metric, ref) if compared else None
+        else:
+            edges = None
+        if reference is not None:
             if edges is not None:
                 # a band never suggests an impossible value (a negative fraction, a cosine > 1)
                 low, high = METRIC_RANGES.get(panel.metric, (-np.inf, np.inf))

@@ -28,92 +28,13 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from precision_suite.files import read_toml
+from precision_suite.findings import (  # noqa: F401  (re-exported: the verdict types)
+    COORD_KEYS, FINDING_KINDS, TIME_DIMS, CaseVerdict, Finding, format_where, to_python, verdict)
 
 if TYPE_CHECKING:  # xarray is only needed for annotations; keeps this module cheap to import
     import xarray as xr
 
-FINDING_KINDS = ("regression", "drift", "threshold", "error")
-COORD_KEYS = ("layer", "tensor", "layout")
-TIME_DIMS = ("step", "train_step")
 CONFIG_KEYS = ("rules", "tolerances")
-
-
-# --------------------------------------------------------------------------- verdict types
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """One thing a check found about a case.
-
-    kind: "regression" | "drift" (baseline comparison), "threshold" (a rule), "error" (the check
-    could not be made). where: the coordinates, e.g. {"layer": 3, "tensor": "gradient",
-    "layout": "1x128", "step": 30}. value: the current number; reference: the baseline value or the
-    rule's bound; tolerance: the accepted deviation in the metric's comparison space (NaN for
-    rules and errors).
-    """
-
-    case: str
-    kind: str
-    metric: str
-    where: Mapping[str, Any]
-    value: float
-    reference: float
-    tolerance: float
-    message: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in FINDING_KINDS:
-            raise ValueError(f"Finding.kind {self.kind!r} is unknown; use one of {', '.join(FINDING_KINDS)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
-        return {"case": self.case, "kind": self.kind, "metric": self.metric,
-                "where": dict(self.where), "value": _json_number(self.value),
-                "reference": _json_number(self.reference),
-                "tolerance": _json_number(self.tolerance), "message": self.message}
-
-
-@dataclass(frozen=True, slots=True)
-class CaseVerdict:
-    """The outcome of one case. status: "pass" | "drift" | "fail" | "error"."""
-
-    case: str
-    status: str
-    findings: tuple[Finding, ...] = ()
-    charts: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"case": self.case, "status": self.status,
-                "findings": [f.to_dict() for f in self.findings], "charts": list(self.charts)}
-
-
-def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) -> CaseVerdict:
-    """Status from the findings: any regression or threshold -> fail; else any error -> error;
-    else any drift -> drift; else pass. A definite failure outranks "could not check"."""
-    findings = tuple(findings)
-    kinds = {f.kind for f in findings}
-    if kinds & {"regression", "threshold"}:
-        status = "fail"
-    elif "error" in kinds:
-        status = "error"
-    elif "drift" in kinds:
-        status = "drift"
-    else:
-        status = "pass"
-    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts))
-
-
-def format_where(where: Mapping[str, Any]) -> str:
-    """'layer 3, tensor gradient, layout 1x128, step 30' (layer first, time last)."""
-    order = [k for k in COORD_KEYS if k in where]
-    order += [k for k in where if k not in order and k not in TIME_DIMS]
-    order += [k for k in TIME_DIMS if k in where]
-    return ", ".join(f"{k} {where[k]}" for k in order) or "the whole run"
-
-
-def _json_number(value: float) -> float | str:
-    value = float(value)
-    return value if math.isfinite(value) else str(value)
 
 
 # --------------------------------------------------------------------------- rules
@@ -452,11 +373,6 @@ def _spec_matches(value: Any, wanted: Sequence[str]) -> bool:
         except (TypeError, ValueError):
             continue
     return False
-
-
-def to_python(value: Any) -> Any:
-    """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
-    return value.item() if isinstance(value, np.generic) else value
 
 
 # --------------------------------------------------------------------------- configuration

@@ -105,13 +105,31 @@ def build_parser() -> argparse.ArgumentParser:
     baseline_commands = baseline.add_subparsers(title="baseline commands", metavar="ACTION")
     update = baseline_commands.add_parser(
         "update", help="train the selection and (over)write its baselines",
-        description="Train each selected case and write its baseline atomically. Review the "
-                    "change (git diff --stat baselines/) before committing it.")
+        description="Train each selected case's seed ensemble (and the rounding perturbations "
+                    "of its first step) and write its baseline atomically; unchanged numbers "
+                    "leave the file untouched. Review the change (git diff --stat baselines/) "
+                    "before committing it.")
     _add_selection(update)
+    update.add_argument("--workers", type=_workers, default=None, metavar="N",
+                        help="worker processes for the ensemble runs (default: the number of cores)")
     update.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
                         help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
     update.set_defaults(command_func=_cmd_baseline_update)
     baseline.set_defaults(command_func=lambda _args: _missing_action(baseline))
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure false alarms and the smallest detected change on this machine",
+        description="Run every selected case under perturbations that must not fail it (2 threads, "
+                    "eager PRECISION_SUITE_COMPILE=0, held-out seeds), judge each against its "
+                    "baseline ensemble, and print per metric the false alarms seen and the "
+                    "smallest change the comparison detects. Run it once on your CI runners.")
+    _add_selection(calibrate)
+    _add_checking(calibrate)
+    calibrate.add_argument("--held-out-seeds", type=_seed, nargs="+", default=[100, 101, 102],
+                           metavar="S", help="seeds outside the ensemble (default: 100 101 102)")
+    calibrate.add_argument("--workers", type=_workers, default=None, metavar="N",
+                           help="worker processes (default: the number of cores)")
+    calibrate.set_defaults(command_func=_cmd_calibrate)
 
     report = commands.add_parser(
         "report", help="charts and summary of saved results, without training",
@@ -136,6 +154,9 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
                        help="a TOML file of [[case]] tables (RunSpec fields) replacing the matrix")
     group.add_argument("--quick", action="store_true", help="the fast smoke matrix")
     group.add_argument("--device", metavar="DEVICE", help="auto, cpu or cuda (overrides the specs)")
+    group.add_argument("--seed", metavar="S", type=_seed, default=None,
+                       help="train with seed S (any non-negative integer; judged against the "
+                            "baseline's seed ensemble) instead of the specs' seed")
 
 
 def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
@@ -150,6 +171,26 @@ def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
                         help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
     parser.add_argument("--charts", choices=("failing", "all"), default=charts_default,
                         help=f"draw charts for failing/drifting cases or all (default: {charts_default})")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer seed, e.g. --seed 7")
+    return value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of worker processes")
+    return value
 
 
 def _missing_action(parser: argparse.ArgumentParser) -> int:
@@ -181,7 +222,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
         if args.save_results:
             files.save_dataset(ds, _result_path(args.save_results, case))
-        verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir))
+        verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir,
+                               _regen_command(args, case)))
         datasets[case] = ds
     return _finish(verdicts, datasets, report_dir, args.charts)
 
@@ -200,17 +242,85 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_baseline_update(args: argparse.Namespace) -> int:
-    from precision_suite import baselines, runs
+    from precision_suite import baselines, execution, runs
 
     specs = _selected_specs(args)
-    for index, spec in enumerate(specs, 1):
-        case = runs.case_id(spec)
-        ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
-        path = baselines.baseline_path(args.baseline_dir, case)
-        print(f"{'wrote' if baselines.update_baseline(ds, path) else 'unchanged'} {path}")
+    workers = args.workers or execution.default_workers()
+    n_tasks = sum(len(baselines.ensemble_tasks(spec)) for spec in specs)
+    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and their first-step rounding "
+          f"perturbations) on {workers} worker(s)", file=sys.stderr, flush=True)
+    finished = [0]
+
+    def done(_index: int, task: Any, seconds: float) -> None:
+        finished[0] += 1
+        print(f"[{finished[0]}/{n_tasks}] {runs.case_id(task.spec)} {task.label} "
+              f"({seconds:.0f} s so far)", file=sys.stderr, flush=True)
+
+    try:
+        written = baselines.regenerate(specs, args.baseline_dir, workers, done)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    for path, changed in written:
+        print(f"{'wrote' if changed else 'unchanged'} {path}")
     print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {args.baseline_dir}` "
           "and commit them with the change that explains them")
     return EXIT_OK
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from precision_suite import ensemble, execution, reports, runs
+    from precision_suite.execution import Task
+
+    specs = _selected_specs(args)
+    rules, tolerances = _load_rules(args.rules)
+    references = {runs.case_id(s): _load_reference(_baselines(), args.baseline_dir, runs.case_id(s),
+                                                   s.to_json(), _regen_command(args, runs.case_id(s)))
+                  for s in specs}
+    perturbations = [("threads=2", {"threads": 2}, {}),
+                     ("PRECISION_SUITE_COMPILE=0", {}, {"PRECISION_SUITE_COMPILE": "0"})]
+    perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in args.held_out_seeds]
+    tasks = [Task(dataclasses.replace(spec, **changes), env, label)
+             for spec in specs for label, changes, env in perturbations]
+    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations", file=sys.stderr)
+    results = execution.run_tasks(tasks, args.workers or execution.default_workers(),
+                                  lambda i, t, sec: print(f"[{i + 1}/{len(tasks)}] {runs.case_id(t.spec)} "
+                                                          f"{t.label} ({sec:.0f} s)", file=sys.stderr, flush=True))
+    report_dir = _report_dir(args.report_dir)
+    verdicts, table = [], []
+    for task, ds in zip(tasks, results):
+        case = runs.case_id(task.spec)
+        ds = ds.assign_attrs(case=f"{case} [{task.label}]")
+        outcome = _judge(case, ds, references[case], rules, tolerances, report_dir)
+        alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
+        verdicts.append(outcome)
+        table.append({"case": case, "perturbation": task.label, "status": outcome.status,
+                      "false_alarms": {m: sum(f.metric == m for f in alarms) for m in ensemble.SPACES}})
+    detectable = {runs.case_id(spec): ensemble.detectable_change(ds, references[runs.case_id(spec)])
+                  for spec, ds in zip(specs, results[::len(perturbations)])}
+    reports.write_report(verdicts, report_dir, charts=args.charts)
+    (report_dir / "calibration.json").write_text(json.dumps(
+        {"runs": table, "detectable_change": detectable}, indent=2) + "\n")
+    alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in ensemble.SPACES}
+    failing = [row for row in table if row["status"] in ("fail", "error", "drift")]
+    print(f"{len(table)} perturbed runs, {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
+    for row in failing:
+        print(f"  {row['status'].upper():5} {row['case']} [{row['perturbation']}]")
+    for metric, count in alarms_by_metric.items():
+        print(f"{metric:15} false alarms {count}")
+    for case, changes in detectable.items():
+        print(f"smallest detected change, {case}:")
+        for metric, text in changes.items():
+            print(f"  {metric:15} {text}")
+    print(f"report: {report_dir / 'index.html'}; table: {report_dir / 'calibration.json'}")
+    return EXIT_REGRESSION if failing else EXIT_OK
+
+
+def _baselines():
+    from precision_suite import baselines
+
+    return baselines
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -238,6 +348,8 @@ def _selected_specs(args: argparse.Namespace) -> list:
     specs = _config_specs(Path(args.config)) if args.config else matrix.default_matrix(args.quick)
     if args.device:
         specs = [dataclasses.replace(spec, device=args.device) for spec in specs]
+    if getattr(args, "seed", None) is not None:
+        specs = [dataclasses.replace(spec, seed=args.seed) for spec in specs]
     source = f"config file {args.config}" if args.config else \
         ("the quick matrix" if args.quick else "the default matrix")
     filters = {"model": args.model, "attention": args.attention, "recipe": args.recipe}
@@ -358,7 +470,7 @@ def _progress_printer(label: str) -> Callable[[int, int, float], None]:
 
 def _load_reference(baselines: Any, baseline_dir: str, case: str, spec_json: str, regen_hint: str):
     try:
-        return baselines.load_baseline(baselines.baseline_path(baseline_dir, case),
+        return baselines.load_ensemble(baselines.baseline_path(baseline_dir, case),
                                        expected_spec=spec_json, regen_hint=regen_hint)
     except baselines.BaselineError as exc:
         raise UsageError(str(exc)) from None
@@ -378,40 +490,35 @@ def _load_rules(pyproject: str) -> tuple[tuple, dict]:
     return config.rules, dict(config.tolerances)
 
 
-def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | list, report_dir: Path):
-    """The verdict of one case, with a drift chart when anything was found."""
-    from precision_suite import baselines, charts, checks, files
+def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | list, report_dir: Path,
+           regen_hint: str = ""):
+    """The verdict of one case by the one judging engine (precision_suite.judge); chart and
+    obtained files are named by the dataset's case label (calibrate labels its perturbations)."""
+    from precision_suite import files, judge, matrix
 
+    name = files.safe_filename(str(current.attrs.get("case", case)))
     try:
-        findings = [] if reference is None else baselines.compare(current, reference, tolerances)
+        return judge.judge_case(current, reference, rules=rules, tolerances=tolerances,
+                                known=matrix.KNOWN_VIOLATIONS.get(case, ""),
+                                chart_path=report_dir / "charts" / f"{name}-drift.png",
+                                obtained_path=report_dir / "obtained" / f"{name}.nc",
+                                regen_hint=regen_hint)
     except ValueError as exc:  # a tolerance override that does not make sense
         raise UsageError(f"tolerances: {exc}") from None
-    findings += checks.check_rules(current, rules, case)
-    chart_paths = []
-    if any(f.kind != "error" for f in findings):
-        path = report_dir / "charts" / f"{files.safe_filename(case)}-drift.png"
-        charts.plot_drift(current, reference, findings, path=path)
-        chart_paths.append(str(path))
-    return checks.verdict(case, findings, chart_paths)
 
 
 def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str) -> int:
-    from precision_suite import matrix, reports
+    from precision_suite import judge, reports
 
-    # a known violation excuses its threshold findings only, never a baseline regression
-    known = {v.case: matrix.KNOWN_VIOLATIONS[v.case] for v in verdicts
-             if v.case in matrix.KNOWN_VIOLATIONS and v.status == "fail"
-             and all(f.kind == "threshold" for f in v.findings)}
-    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts, known=known)
+    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts)
     for verdict in verdicts:
         first = f": {verdict.findings[0].message}" if verdict.findings else ""
         more = f" (+{len(verdict.findings) - 1} more)" if len(verdict.findings) > 1 else ""
         print(f"{verdict.status.upper():5} {verdict.case}{first}{more}")
-        if verdict.case in known:
-            print(f"      known violation, not failing the run: {known[verdict.case]}")
+        if verdict.known:
+            print(f"      known violation, not failing the run: {verdict.known}")
     print(f"report: {report_dir / 'index.html'}")
-    blocking = [v for v in verdicts if v.status in ("fail", "error") and v.case not in known]
-    return EXIT_REGRESSION if blocking else EXIT_OK
+    return EXIT_REGRESSION if any(judge.blocks(v) for v in verdicts) else EXIT_OK
 
 
 def _report_dir(given: str | None) -> Path:

@@ -32,8 +32,9 @@ from precision_suite import __version__, charts as _charts
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
 
-STATUS_ORDER = ("fail", "error", "drift", "pass")  # report order: what needs a person first
-STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "drift": "🔶 drift", "pass": "✅ pass"}
+STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
+STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
+                "pass": "✅ pass"}
 CHART_CHOICES = ("failing", "all")
 SUMMARY_SCHEMA_VERSION = 1
 MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
@@ -90,7 +91,8 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
     overview = _draw_overviews(out, datasets) if charts == "all" else []
 
-    summary = _summary(entries, overview, known or {})
+    known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
+    summary = _summary(entries, overview, known)
     _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _write_text(out / "summary.md", _markdown(summary, out))
     _write_text(out / "index.html", _html(summary, out))

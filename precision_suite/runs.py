@@ -295,6 +295,7 @@ def _dataset(
     shape = (len(steps), config.depth, len(TENSOR_ROLES), len(labels))
     quant = {name: np.full(shape, np.nan) for name in QUANT_METRICS}
     nonfinite = np.zeros(shape[:3], dtype=np.int64)
+    numel = np.zeros(shape[1:3], dtype=np.int64)  # elements behind each fraction (count floors)
     attention_norm = np.empty(shape[:2])
     for i, step_records in enumerate(records):
         for layer, record in enumerate(step_records):
@@ -303,6 +304,7 @@ def _dataset(
                 index = (i, layer, TENSOR_ROLES.index(role), labels.index(label))
                 for name in QUANT_METRICS:
                     quant[name][index] = metrics[name]
+                numel[layer, TENSOR_ROLES.index(role)] = metrics["numel"]
             for role, count in record.nonfinite.items():
                 nonfinite[i, layer, TENSOR_ROLES.index(role)] = count
     where = ("step", "layer", "tensor", "layout")
@@ -314,6 +316,7 @@ def _dataset(
         ),
         **{name: (where, values, {"description": _METRIC_DESCRIPTIONS[name]}) for name, values in quant.items()},
         "nonfinite": (("step", "layer", "tensor"), nonfinite, {"description": "NaN/Inf elements seen by the probes"}),
+        "numel": (("layer", "tensor"), numel, {"description": "elements pooled into each layer's fractions per step"}),
         "loss": (("train_step",), losses, {"description": "training cross-entropy"}),
         "accuracy": (("train_step",), accuracies, {"description": "training top-1 accuracy (next byte for the GPT)"}),
     }

@@ -1,4 +1,4 @@
-"""Synthetic run datasets that follow docs/architecture.md (run dataset schema, version 1).
+"""Synthetic run datasets that follow docs/architecture.md (the run dataset schema).
 
 Charts, reports and the CLI only depend on that schema, so their tests build datasets here instead
 of training. The numbers are shaped like the seed figures (attention norm growing over steps,
@@ -12,6 +12,8 @@ import json
 
 import numpy as np
 import xarray as xr
+
+from precision_suite.files import SCHEMA_VERSION
 
 TENSORS = ("activation", "gradient", "gradient_transpose", "weight")
 LAYOUTS = ("1x128", "128x1", "128x128")
@@ -71,6 +73,7 @@ def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str
     data_vars["attention_norm"] = (("step", "layer"), attention_norm)
     data_vars["nonfinite"] = (("step", "layer", "tensor"),
                               np.zeros((sampled.size, depth, len(TENSORS)), dtype=np.int64))
+    data_vars["numel"] = (("layer", "tensor"), np.full((depth, len(TENSORS)), 100_000, dtype=np.int64))
     data_vars["loss"] = (("train_step",), 2.5 * np.exp(-train_step / steps) + 0.01 * rng.random(steps))
     data_vars["accuracy"] = (("train_step",), 1.0 - np.exp(-train_step / steps))
     return xr.Dataset(
@@ -78,7 +81,7 @@ def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str
         coords={"step": sampled, "tokens": ("step", (sampled + 1) * tokens_per_step),
                 "layer": layer, "tensor": list(TENSORS), "layout": list(LAYOUTS),
                 "train_step": train_step},
-        attrs={"schema_version": 1, "case": case_name(spec), "spec": json.dumps(spec),
+        attrs={"schema_version": SCHEMA_VERSION, "case": case_name(spec), "spec": json.dumps(spec),
                "fingerprint": json.dumps({"torch": "synthetic", "device": "cpu", "threads": 1}),
                "package_version": "0.1.0"},
     )

@@ -281,8 +281,9 @@ def test_other_schema_version_fails(base, tmp_path):
 def test_other_spec_fails_naming_the_fields(base, tmp_path):
     path = save_baseline(base, tmp_path / "case.nc")
     spec = json.loads(base.attrs["spec"])
-    changed = {**spec, "steps": spec["steps"] + 10, "seed": 7}
-    with pytest.raises(BaselineError, match=r"seed: baseline 0, current 7; steps: baseline 30, current 40"):
+    # seed, threads and device say how a run of the case was made, not what the case is
+    changed = {**spec, "steps": spec["steps"] + 10, "batch_size": 16, "seed": 7}
+    with pytest.raises(BaselineError, match=r"batch_size: baseline 8, current 16; steps: baseline 30, current 40\)"):
         load_baseline(path, expected_spec=json.dumps(changed))
     # the device says where a case ran, not what it is
     assert load_baseline(path, expected_spec={**spec, "device": "cuda"}).identical(base)

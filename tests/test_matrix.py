@@ -36,11 +36,14 @@ def case_rules(spec: RunSpec) -> list[str]:
 def _param(spec: RunSpec):
     case = case_id(spec)
     marks = [pytest.mark.precision] + ([] if case in QUICK_CASES else [pytest.mark.slow])
-    if case in KNOWN_VIOLATIONS:
-        marks.append(pytest.mark.xfail(reason=KNOWN_VIOLATIONS[case], strict=True))
     return pytest.param(spec, id=case, marks=marks)
 
 
 @pytest.mark.parametrize("spec", [_param(s) for s in default_matrix()])
 def test_case(spec, precision_check):
-    precision_check(spec, rules=case_rules(spec))
+    # the same judging engine as `precision-suite run`: a known violation is excused (its
+    # threshold findings only), a baseline regression in it still fails
+    outcome = precision_check(spec, rules=case_rules(spec), known_violation=KNOWN_VIOLATIONS.get(case_id(spec), ""))
+    if case_id(spec) in KNOWN_VIOLATIONS:
+        # still violated: when it is fixed, drop it from KNOWN_VIOLATIONS (the list stays honest)
+        assert outcome.status == "known", f"{case_id(spec)} no longer violates: {KNOWN_VIOLATIONS[case_id(spec)]}"

@@ -12,7 +12,7 @@ import xarray as xr
 
 import precision_suite
 from precision_suite import runs
-from precision_suite.files import load_dataset, save_dataset
+from precision_suite.files import SCHEMA_VERSION, load_dataset, save_dataset
 from precision_suite.runs import RunSpec, case_id, run
 
 # 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
@@ -39,7 +39,7 @@ def test_dataset_follows_the_schema(fp8_gpt):
     assert ds.nonfinite.dims == ("step", "layer", "tensor") and int(ds.nonfinite.sum()) == 0
     assert ds.loss.dims == ds.accuracy.dims == ("train_step",)
     assert np.isfinite(ds.loss).all() and ((ds.accuracy >= 0) & (ds.accuracy <= 1)).all()
-    assert ds.attrs["schema_version"] == 1 and ds.attrs["case"] == "gpt-softmax-fp8-block"
+    assert ds.attrs["schema_version"] == SCHEMA_VERSION and ds.attrs["case"] == "gpt-softmax-fp8-block"
     assert RunSpec.from_json(ds.attrs["spec"]) == RunSpec(recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT)
     assert ds.attrs["package_version"] == precision_suite.__version__
     fingerprint = json.loads(ds.attrs["fingerprint"])

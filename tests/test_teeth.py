@@ -40,6 +40,12 @@ def wrong_scale(monkeypatch):
     monkeypatch.setattr(quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 256)
 
 
+def scale_four_times_too_large(monkeypatch):
+    """Block scales 4x too large: two binades lost at the bottom of every block (a few elements)."""
+    original = quantization.block_scales
+    monkeypatch.setattr(quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 4)
+
+
 def truncating_rounding(monkeypatch):
     """Round toward zero instead of to nearest (ties to even)."""
     def truncate(y, element):
@@ -56,6 +62,7 @@ def missing_score_scaling(monkeypatch):
 PLANTS = {
     # plant: (case it breaks, metrics that must be reported as regressions)
     wrong_scale: ("gpt-softmax-fp8-block", {"underflow", "zeros_after"}),
+    scale_four_times_too_large: ("gpt-softmax-fp8-block", {"underflow", "zeros_after"}),
     truncating_rounding: ("gpt-softmax-fp8-block", {"distortion", "sqnr_db"}),
     missing_score_scaling: ("vit-x-1-fp32", {"attention_norm"}),
 }
@@ -66,7 +73,7 @@ def project(tmp_path_factory):
     """A project folder with the two small cases and their baselines from the unplanted code."""
     root = tmp_path_factory.mktemp("teeth")
     (root / "cases.toml").write_text(CONFIG)
-    assert cli.main(["baseline", "update", "--config", str(root / "cases.toml"),
+    assert cli.main(["baseline", "update", "--workers", "1", "--config", str(root / "cases.toml"),
                      "--baseline-dir", str(root / "baselines")]) == 0
     return root
 
@@ -109,7 +116,7 @@ def test_quantizer_plants_reach_both_paths(numel, monkeypatch):
     were traced from the unplanted functions), or the teeth tests above prove nothing."""
     x = torch.randn(numel // 256, 256)
     clean = quantization.quantize(x, "e4m3", (1, 128)).dequantized
-    for plant in (wrong_scale, truncating_rounding):
+    for plant in (wrong_scale, scale_four_times_too_large, truncating_rounding):
         with monkeypatch.context() as m:
             plant(m)
             assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean), plant.__name__

@@ -1,0 +1,423 @@
+"""Seed-ensemble baselines and the calibrated comparison of a run against them.
+
+Short training is chaotic: after a few steps another CPU's rounding moves a run as far as another
+seed does, so one reference trajectory cannot tell noise from change. A baseline therefore holds
+K runs of its case that differ only in seed (dimension `seed`), and a run is judged two ways:
+
+- **first point** (sampled step 0, training step 0) of a seed the ensemble holds: the seeded
+  initialisation, deterministic up to rounding. It must match that member within the rounding
+  tolerance calibrated when the baseline was made (threads 1 vs 2, compiled vs eager), plus a
+  count floor for fractions. Beyond it, a change in *either* direction fails: the computation
+  itself changed, and the author regenerates on purpose. For fractions the floor is a few
+  elements plus a few percent of the count (`FIRST_STEP_FLIPS`): rounding moves only the elements
+  that sit on a quantization boundary.
+- **trained points** (and every point of a seed outside the ensemble): against the ensemble's
+  spread, per series (metric x layer x tensor x layout) in the metric's own space
+  (`SPACES`). Two statistics per series: each point, and the mean over the trained points
+  (persistence: a systematic shift shows at every step, a chaotic excursion at one). The spread
+  of a point is the larger of its own K-seed spread and the spread pooled over every point of the
+  same metric, tensor and layout (K is small: the pooled estimate has hundreds of degrees of
+  freedom and keeps one quiet series from false-alarming), plus a floor: Poisson noise of the
+  counted elements for fractions, so a fourfold change at 1e-5 is as visible as at 1e-2.
+  The threshold is Bonferroni-corrected over every statistic of the case, so the false-alarm
+  rate of the whole case is `FALSE_ALARM_RATE` under the Gaussian model (measured, not assumed:
+  docs/baselines.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from precision_suite.findings import Finding, TIME_DIMS, format_where, to_python
+
+# Four seeds: each costs a full training run per case on regeneration, and the pooled spread
+# (below) supplies the degrees of freedom that four seeds alone do not.
+ENSEMBLE_SEEDS = (0, 1, 2, 3)
+FALSE_ALARM_RATE = 1e-3  # per case, Bonferroni over all its statistics
+# Perturbations that change only rounding, run at regeneration on the first step of each seed.
+ROUNDING_PERTURBATIONS = ({"threads": 2}, {"env": {"PRECISION_SUITE_COMPILE": "0"}})
+FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference measured
+# At the first point the same elements are quantized on every machine; rounding moves a few of them
+# across the zero (or saturation) boundary. A count may change by this many elements plus this
+# fraction of itself (the count-aware floor; sampling noise between seeds does not apply here).
+FIRST_STEP_FLIPS = 2.0
+FIRST_STEP_FLIP_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Space:
+    """How a metric is compared: y = transform(value), spread and bad direction in y."""
+
+    kind: str  # "log" | "log_count" | "log_one_minus" | "db"
+    bad: str  # "up" | "down": the direction of y that is a regression
+    min_spread: float  # smallest spread in y (a deterministic series has none of its own)
+    first_step_floor: float  # smallest first-point tolerance in y (rounding on other CPUs)
+
+
+# The compared metrics and their spaces (one table; docs/baselines.md gives the reasons).
+SPACES: dict[str, Space] = {
+    "attention_norm": Space("log", "up", 1e-3, 1e-3),
+    "underflow": Space("log_count", "up", 0.0, 0.0),
+    "zeros_after": Space("log_count", "up", 0.0, 0.0),
+    "overflow": Space("log_count", "up", 0.0, 0.0),
+    "distortion": Space("log_one_minus", "up", 1e-2, 1e-2),
+    "sqnr_db": Space("db", "down", 0.05, 0.05),
+    "loss": Space("log", "up", 1e-3, 1e-3),
+    "nonfinite": Space("log_count", "up", 0.0, 0.0),
+}
+
+
+class EnsembleError(ValueError):
+    """A baseline that is not a usable seed ensemble."""
+
+
+def transform(metric: str, values: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
+    """Values in the metric's comparison space (non-finite where the value is not comparable)."""
+    kind = SPACES[metric].kind
+    v = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == "log":
+            y = np.log(v)
+        elif kind == "log_count":  # ln(count + 1/2): Poisson-like noise 1/sqrt(count) in y
+            y = np.log(v * (1.0 if numel is None else numel) + 0.5)
+        elif kind == "log_one_minus":  # 1 - cos: the relative error energy
+            y = np.log(np.maximum(1.0 - v, 1e-15))
+        else:
+            y = v
+    return np.where(np.isnan(v), np.nan, y)
+
+
+def inverse(metric: str, y: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
+    kind = SPACES[metric].kind
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind == "log":
+            return np.exp(y)
+        if kind == "log_count":
+            return (np.exp(y) - 0.5) / (1.0 if numel is None else numel)
+        if kind == "log_one_minus":
+            return 1.0 - np.exp(y)
+        return y
+
+
+def _floor_var(metric: str, mean_y: np.ndarray) -> np.ndarray:
+    space = SPACES[metric]
+    floor = np.full_like(mean_y, space.min_spread**2)
+    if space.kind == "log_count":
+        with np.errstate(over="ignore", invalid="ignore"):
+            floor = floor + np.exp(-mean_y)  # var ln(c + 1/2) ~ 1/(c + 1/2)
+    return floor
+
+
+def z_threshold(n_statistics: int, rate: float = FALSE_ALARM_RATE) -> float:
+    """Two-sided Bonferroni threshold in spreads for `n_statistics` tests at a case rate `rate`."""
+    return NormalDist().inv_cdf(1.0 - rate / (2.0 * max(n_statistics, 1)))
+
+
+# --------------------------------------------------------------------------- building
+
+
+def ensemble_seeds(ds: xr.Dataset) -> list[int]:
+    return [int(s) for s in ds["seed"].values] if "seed" in ds.dims else []
+
+
+def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str, float]) -> xr.Dataset:
+    """K runs of one case (one per seed) as one dataset with a `seed` dimension."""
+    seeds = [int(json.loads(r.attrs["spec"])["seed"]) for r in runs]
+    if len(set(seeds)) != len(seeds) or len(seeds) < 2:
+        raise EnsembleError(f"an ensemble needs at least 2 distinct seeds, got {seeds}")
+    ds = xr.concat(list(runs), dim=xr.DataArray(seeds, dims="seed", name="seed"),
+                   data_vars="all", coords="minimal", compat="override", combine_attrs="override")
+    spec = json.loads(runs[0].attrs["spec"])
+    spec.pop("seed")
+    ds.attrs["spec"] = json.dumps(spec, sort_keys=True)
+    ds.attrs["ensemble_seeds"] = json.dumps(seeds)
+    ds.attrs["first_step_tolerance"] = json.dumps(dict(first_step_tolerance), sort_keys=True)
+    return ds
+
+
+def first_step_tolerance(references: Sequence[xr.Dataset], perturbed: Sequence[xr.Dataset]) -> dict[str, float]:
+    """Per metric, FIRST_STEP_SAFETY x the largest first-point difference (in the metric's space)
+    between each run and its rounding-perturbed twin (same seed), floored by the metric's
+    `first_step_floor`. Count noise is added per series when judging, not here."""
+    by_seed = {int(json.loads(r.attrs["spec"])["seed"]): r for r in references}
+    largest = {metric: 0.0 for metric in SPACES}
+    for twin in perturbed:
+        reference = by_seed[int(json.loads(twin.attrs["spec"])["seed"])]
+        for metric in SPACES:
+            if metric not in reference.data_vars:
+                continue
+            a, b = _first_point(reference, metric), _first_point(twin, metric)
+            numel = _numel(reference, reference[metric].isel({_time_dim(reference[metric]): 0}))
+            d = np.abs(transform(metric, a, numel) - transform(metric, b, numel))
+            d = d[np.isfinite(d)]
+            if d.size:
+                largest[metric] = max(largest[metric], float(d.max()))
+    return {metric: max(FIRST_STEP_SAFETY * largest[metric], SPACES[metric].first_step_floor)
+            for metric in SPACES}
+
+
+def _time_dim(da: xr.DataArray) -> str:
+    return next(d for d in da.dims if d in TIME_DIMS)
+
+
+def _first_point(ds: xr.Dataset, metric: str) -> np.ndarray:
+    da = ds[metric]
+    return da.isel({_time_dim(da): 0}).values.astype(np.float64)
+
+
+def _numel(ds: xr.Dataset, da: xr.DataArray) -> np.ndarray | None:
+    """Elements counted behind each cell of a fraction metric, broadcast to `da` (None: not a count)."""
+    if "numel" not in ds.data_vars or SPACES.get(str(da.name), SPACES["loss"]).kind != "log_count" \
+            or da.name == "nonfinite":
+        return None
+    numel = ds["numel"]
+    if "seed" in numel.dims:
+        numel = numel.isel(seed=0, drop=True)
+    return numel.broadcast_like(da).transpose(*da.dims).values.astype(np.float64)
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def check_ensemble(ds: xr.Dataset, path: object = "baseline") -> None:
+    """Raise EnsembleError unless `ds` is a seed ensemble with at least two seeds."""
+    if "seed" not in ds.dims:
+        raise EnsembleError(f"{path} holds a single run, not a seed ensemble (an old baseline)")
+    if ds.sizes["seed"] < 2:
+        raise EnsembleError(f"{path} holds {ds.sizes['seed']} seed; an ensemble needs at least 2 "
+                            "to measure the spread between seeds")
+    if "first_step_tolerance" not in ds.attrs:
+        raise EnsembleError(f"{path} lacks the first_step_tolerance attribute")
+
+
+@dataclass
+class _Series:
+    """One metric's arrays: ensemble (K, G, T) and current (G, T), in the comparison space."""
+
+    metric: str
+    groups: list[dict[str, Any]]
+    times: list[Any]
+    time_dim: str
+    ens_y: np.ndarray
+    cur_y: np.ndarray
+    cur_values: np.ndarray
+    ens_values: np.ndarray
+    pool: np.ndarray  # (G,) pool index: same metric, tensor and layout
+
+
+def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series | None:
+    cur, ens = xr.align(current[metric], ensemble[metric], join="inner", exclude=["seed"])
+    time_dim = _time_dim(cur)
+    group_dims = [d for d in cur.dims if d != time_dim]
+    cur = cur.transpose(*group_dims, time_dim)
+    ens = ens.transpose("seed", *group_dims, time_dim)
+    sizes = [cur.sizes[d] for d in group_dims]
+    n_groups = int(np.prod(sizes, dtype=np.int64))
+    if n_groups == 0 or cur.sizes[time_dim] == 0:
+        return None
+    c = cur.values.astype(np.float64).reshape(n_groups, -1)
+    e = ens.values.astype(np.float64).reshape(ens.sizes["seed"], n_groups, -1)
+    numel = _numel(current, cur)
+    numel = None if numel is None else numel.reshape(n_groups, -1)
+    groups = []
+    pool_keys: dict[tuple, int] = {}
+    pool = np.zeros(n_groups, dtype=np.int64)
+    for g, index in enumerate(np.ndindex(*sizes) if sizes else [()]):
+        where = {d: to_python(cur[d].values[i]) for d, i in zip(group_dims, index)}
+        groups.append(where)
+        key = tuple((d, v) for d, v in where.items() if d != "layer")
+        pool[g] = pool_keys.setdefault(key, len(pool_keys))
+    return _Series(metric, groups, [to_python(t) for t in cur[time_dim].values], time_dim,
+                   transform(metric, e, numel), transform(metric, c, numel), c, e, pool)
+
+
+def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str = "",
+                     rate: float = FALSE_ALARM_RATE) -> list[Finding]:
+    """Findings of one run against a seed ensemble (module docstring): "regression" for a change
+    in the bad direction or any change at the first point, "drift" for the good direction."""
+    check_ensemble(ensemble)
+    case = str(current.attrs.get("case", ensemble.attrs.get("case", "?")))
+    seeds = ensemble_seeds(ensemble)
+    seed = json.loads(current.attrs.get("spec", "{}")).get("seed")
+    member = seeds.index(seed) if seed in seeds else None
+    tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
+    all_series = [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
+                  if (s := _series(metric, current, ensemble)) is not None]
+    n_stats = sum(s.cur_y.size + s.cur_y.shape[0] for s in all_series)
+    z_crit = z_threshold(n_stats, rate)
+    findings: list[Finding] = []
+    for s in all_series:
+        findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
+                                  len(seeds), regen_hint)
+    return findings
+
+
+def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, spread) per point in the comparison space, spread as in the module docstring."""
+    k = s.ens_y.shape[0]
+    finite = np.isfinite(s.ens_y)
+    ens = np.where(finite, s.ens_y, np.nan)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN points: unmeasured pairs
+        mean = np.nanmean(ens, axis=0)
+        var = np.nanvar(ens, axis=0, ddof=1)
+    var = np.where(finite.sum(axis=0) >= 2, var, np.nan)
+    pooled = np.zeros_like(var)
+    for p in np.unique(s.pool):
+        rows = s.pool == p
+        trained = var[rows][:, first_trained:]
+        value = float(np.nanmean(trained)) if np.isfinite(trained).any() else 0.0
+        pooled[rows] = value
+    total = np.fmax(var, pooled) + _floor_var(s.metric, mean)
+    return mean, np.sqrt(total * (1.0 + 1.0 / k))
+
+
+def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: float, z_crit: float,
+                  k: int, regen_hint: str) -> list[Finding]:
+    space = SPACES[s.metric]
+    sign = 1.0 if space.bad == "up" else -1.0
+    first_trained = 1 if member is not None else 0
+    mean, sd = spread(s, 1)
+    findings: list[Finding] = []
+    for g, where in enumerate(s.groups):
+        cur_y, cur_v = s.cur_y[g], s.cur_values[g]
+        ens_finite = np.isfinite(s.ens_y[:, g]).any(axis=0)
+        # a new NaN/Inf where the ensemble measured a number
+        broken = ~np.isfinite(cur_y) & ens_finite & ~np.isinf(cur_v)
+        broken |= np.isnan(cur_v) & ens_finite
+        if broken.any():
+            t = int(np.flatnonzero(broken)[0])
+            findings.append(_finding(case, "regression", s, where, t, g, math.inf, z_crit,
+                                     "non-finite where every seed of the baseline is finite"))
+            continue
+        if member is not None and s.ens_y.shape[2] > 0:
+            ref = s.ens_y[member, g, 0]
+            d = cur_y[0] - ref
+            allowed = tol0
+            if space.kind == "log_count" and np.isfinite(ref):
+                allowed += _count_floor(ref)
+            if np.isfinite(d) and abs(d) > allowed:
+                findings.append(_finding(
+                    case, "regression", s, where, 0, g, d, allowed,
+                    f"first point changed beyond rounding ({_y_change(space, d)}, rounding "
+                    f"tolerance {_y_change(space, allowed, signed=False)}) against seed {seed} of "
+                    f"the baseline: the computation itself changed; if intended, regenerate"
+                    + (f" with: {regen_hint}" if regen_hint else ""), member_seed=seed))
+        z = sign * (cur_y - mean[g]) / sd[g]
+        z[:first_trained] = 0.0
+        z[~np.isfinite(z)] = 0.0
+        trained = slice(first_trained, None)
+        if s.ens_y.shape[2] > first_trained:
+            series_z = _series_z(s, g, trained, sign)
+        else:
+            series_z = 0.0
+        for kind, beyond in (("regression", lambda v: v > z_crit), ("drift", lambda v: v < -z_crit)):
+            points = np.flatnonzero(beyond(z))
+            if not (points.size or beyond(series_z)):
+                continue
+            pick = np.argmax if kind == "regression" else np.argmin
+            t = int(points[pick(z[points])]) if points.size else first_trained + int(pick(z[trained]))
+            worst = float(z[t]) if points.size else series_z
+            detail = (f"{worst:+.1f} spreads from the {k}-seed mean, band ±{z_crit:.1f}"
+                      f"; {points.size} of {len(s.times) - first_trained} points beyond"
+                      f"; mean over the trained points {series_z:+.1f} spreads")
+            findings.append(_finding(case, kind, s, where, t, g, worst, z_crit, detail))
+    return findings
+
+
+def _count_floor(ref_y: float) -> float:
+    """The first point's count floor in log-count space, around a reference ln(count + 1/2)."""
+    count = math.exp(ref_y) - 0.5
+    return math.log((count + 0.5 + FIRST_STEP_FLIPS + FIRST_STEP_FLIP_FRACTION * count) / (count + 0.5))
+
+
+def _series_z(s: _Series, g: int, trained: slice, sign: float) -> float:
+    """z of the mean over trained points, spread from the seeds' means and the pooled floor."""
+    ens = s.ens_y[:, g, trained]
+    cur = s.cur_y[g, trained]
+    ok = np.isfinite(ens).all(axis=0) & np.isfinite(cur)
+    if not ok.any():
+        return 0.0
+    member_means = ens[:, ok].mean(axis=1)
+    k = len(member_means)
+    _, sd = spread(s, 1)
+    floor = float(np.mean(sd[g, trained][ok] ** 2)) / max(int(ok.sum()), 1)
+    var = max(float(np.var(member_means, ddof=1)) * (1 + 1 / k), floor)
+    return float(sign * (cur[ok].mean() - member_means.mean()) / math.sqrt(var)) if var > 0 else 0.0
+
+
+def _y_change(space: Space, d: float, signed: bool = True) -> str:
+    fmt = "+.3g" if signed else ".3g"
+    if space.kind == "db":
+        return f"{d:{fmt}} dB"
+    if space.kind == "log_count":
+        return f"count x{math.exp(d):.3g}" if signed else f"count factor {math.exp(d):.3g}"
+    return f"x{math.exp(d):.4g}" if signed else f"factor {math.exp(d):.4g}"
+
+
+def _finding(case: str, kind: str, s: _Series, where: Mapping[str, Any], t: int, g: int,
+             score: float, tolerance: float, detail: str, member_seed: Any = None) -> Finding:
+    where = {**where, s.time_dim: s.times[t]}
+    value = float(s.cur_values[g, t])
+    ens = s.ens_values[:, g, t]
+    finite = ens[np.isfinite(ens)]
+    reference = float(np.median(finite)) if finite.size else math.nan
+    seeds_text = (f"{finite.min():.4g}..{finite.max():.4g} over {finite.size} seeds" if finite.size
+                  else "no finite seed")
+    what = "regressed" if kind == "regression" else "drifted (better)"
+    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value:.4g} vs baseline "
+               f"{reference:.4g} ({seeds_text}); {detail}")
+    return Finding(case=case, kind=kind, metric=s.metric, where=where, value=value,
+                   reference=reference, tolerance=float(tolerance), message=message,
+                   score=float(score))
+
+
+def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
+                  where: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(lower, upper) accepted values of one series over time, for charts; None if not compared."""
+    if metric not in SPACES or metric not in ensemble.data_vars or metric not in current.data_vars:
+        return None
+    s = _series(metric, current, ensemble)
+    g = None if s is None else next((i for i, w in enumerate(s.groups)
+                                     if all(w.get(k) == v for k, v in where.items())), None)
+    if g is None:
+        return None
+    n_stats = sum(x.cur_y.size + x.cur_y.shape[0] for name in SPACES
+                  if name in current.data_vars and name in ensemble.data_vars
+                  if (x := _series(name, current, ensemble)) is not None)
+    z = z_threshold(n_stats)
+    mean, sd = spread(s, 1)
+    numel = _numel(current, current[metric])
+    n = None if numel is None else numel.reshape(len(s.groups), -1)[g]
+    low, high = inverse(metric, mean[g] - z * sd[g], n), inverse(metric, mean[g] + z * sd[g], n)
+    return np.fmin(low, high), np.fmax(low, high)
+
+
+def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, str]:
+    """Per metric, the median over series of the smallest shift of the trained points' mean that
+    the comparison flags, and the first-point tolerance, as readable text."""
+    tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
+    all_series = [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
+                  if (s := _series(metric, current, ensemble)) is not None]
+    z = z_threshold(sum(s.cur_y.size + s.cur_y.shape[0] for s in all_series))
+    out = {}
+    for s in all_series:
+        _, sd = spread(s, 1)
+        trained = sd[:, 1:] if sd.shape[1] > 1 else sd
+        typical = float(np.nanmedian(trained)) if np.isfinite(trained).any() else math.nan
+        space = SPACES[s.metric]
+        out[s.metric] = (f"trained points: {_y_change(space, z * typical, signed=False)} "
+                         f"({z:.1f} spreads); first point: "
+                         f"{_y_change(space, float(tol0.get(s.metric, 0.0)), signed=False)}"
+                         + (f" + {FIRST_STEP_FLIPS:g} elements + {FIRST_STEP_FLIP_FRACTION:.0%} of the count"
+                            if space.kind == "log_count" else ""))
+    return out

@@ -1,0 +1,109 @@
+"""The verdict types every check reports (a leaf module: imports nothing of the package).
+
+A `Finding` is one thing a check found; a `CaseVerdict` is a case's outcome. The rules engine
+(checks.py), the baseline comparisons (baselines.py, ensemble.py) and the judging engine
+(judge.py) all speak these types.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FINDING_KINDS = ("regression", "drift", "threshold", "error")
+COORD_KEYS = ("layer", "tensor", "layout")
+TIME_DIMS = ("step", "train_step")
+
+
+# --------------------------------------------------------------------------- verdict types
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing a check found about a case.
+
+    kind: "regression" | "drift" (baseline comparison), "threshold" (a rule), "error" (the check
+    could not be made). where: the coordinates, e.g. {"layer": 3, "tensor": "gradient",
+    "layout": "1x128", "step": 30}. value: the current number; reference: the baseline value or the
+    rule's bound; tolerance: the accepted deviation in the metric's comparison space (NaN for
+    rules and errors).
+    """
+
+    case: str
+    kind: str
+    metric: str
+    where: Mapping[str, Any]
+    value: float
+    reference: float
+    tolerance: float
+    message: str
+    score: float = math.nan  # ensemble comparison: spreads from the seeds' mean (bad direction +)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FINDING_KINDS:
+            raise ValueError(f"Finding.kind {self.kind!r} is unknown; use one of {', '.join(FINDING_KINDS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
+        return {"case": self.case, "kind": self.kind, "metric": self.metric,
+                "where": dict(self.where), "value": _json_number(self.value),
+                "reference": _json_number(self.reference),
+                "tolerance": _json_number(self.tolerance), "score": _json_number(self.score),
+                "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseVerdict:
+    """The outcome of one case. status: "pass" | "drift" | "known" (fails only by a known,
+    listed violation) | "fail" | "error"; known: the listed reason, if any."""
+
+    case: str
+    status: str
+    findings: tuple[Finding, ...] = ()
+    charts: tuple[str, ...] = ()
+    known: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "status": self.status, "known": self.known,
+                "findings": [f.to_dict() for f in self.findings], "charts": list(self.charts)}
+
+
+def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) -> CaseVerdict:
+    """Status from the findings: any regression or threshold -> fail; else any error -> error;
+    else any drift -> drift; else pass. A definite failure outranks "could not check"."""
+    findings = tuple(findings)
+    kinds = {f.kind for f in findings}
+    if kinds & {"regression", "threshold"}:
+        status = "fail"
+    elif "error" in kinds:
+        status = "error"
+    elif "drift" in kinds:
+        status = "drift"
+    else:
+        status = "pass"
+    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts))
+
+
+def format_where(where: Mapping[str, Any]) -> str:
+    """'layer 3, tensor gradient, layout 1x128, step 30' (layer first, time last)."""
+    order = [k for k in COORD_KEYS if k in where]
+    order += [k for k in where if k not in order and k not in TIME_DIMS]
+    order += [k for k in TIME_DIMS if k in where]
+    return ", ".join(f"{k} {where[k]}" for k in order) or "the whole run"
+
+
+def _json_number(value: float) -> float | str:
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+
+def to_python(value: Any) -> Any:
+    """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+

@@ -1,0 +1,114 @@
+"""The calibrated comparison against seed ensembles (precision_suite.ensemble): laws it promises.
+
+Synthetic runs (tests/synthetic_data.py) differ between seeds like short training does; each law
+is checked on both sides: the unchanged case passes, the change fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from precision_suite import cli
+from precision_suite.baselines import BaselineError, load_ensemble, save_baseline
+from precision_suite.ensemble import SPACES, compare_ensemble, make_ensemble
+from synthetic_data import make_run_dataset
+
+SEEDS = (0, 1, 2, 3)
+CELL = dict(layer=1, tensor="gradient", layout="1x128")
+
+
+def ensemble_of(seeds=SEEDS, **kwargs):
+    runs = [make_run_dataset(seed=s, **kwargs) for s in seeds]
+    return make_ensemble(runs, {metric: space.first_step_floor for metric, space in SPACES.items()})
+
+
+def kinds(findings):
+    return sorted({(f.kind, f.metric) for f in findings})
+
+
+def test_held_out_seeds_pass():
+    ensemble = ensemble_of()
+    for seed in (4, 5, 6, 11):
+        assert compare_ensemble(make_run_dataset(seed=seed), ensemble) == []
+
+
+def test_ensemble_members_pass_their_own_first_point():
+    ensemble = ensemble_of()
+    assert compare_ensemble(make_run_dataset(seed=2), ensemble) == []
+
+
+@pytest.mark.parametrize("level", [1e-5, 1e-2])
+def test_a_fourfold_fraction_change_is_visible_at_any_level(level):
+    """Count-aware floor: 1e-5 of 1e6 elements is 10 elements, enough to see a factor of 4."""
+    def run(seed, factor=1.0):
+        ds = make_run_dataset(seed=seed)
+        ds["numel"][:] = 1_000_000
+        rng = np.random.default_rng(100 + seed)
+        ds["underflow"].loc[CELL] = level * factor * (1 + 0.1 * rng.standard_normal(ds.sizes["step"]))
+        return ds
+
+    ensemble = make_ensemble([run(s) for s in SEEDS], {m: s.first_step_floor for m, s in SPACES.items()})
+    assert compare_ensemble(run(7), ensemble) == []
+    found = compare_ensemble(run(7, factor=4.0), ensemble)
+    assert ("regression", "underflow") in kinds(found)
+    assert all(f.where["layer"] == 1 for f in found if f.metric == "underflow")
+
+
+@pytest.mark.parametrize("factor", [0.2, 5.0])
+def test_any_change_at_the_first_point_of_a_member_seed_fails(factor):
+    ensemble = ensemble_of()
+    current = make_run_dataset(seed=1)
+    current["attention_norm"][0] = current["attention_norm"][0] * factor
+    found = [f for f in compare_ensemble(current, ensemble) if f.metric == "attention_norm"]
+    assert len(found) == current.sizes["layer"]  # one finding per layer, all at the first point
+    for finding in found:
+        assert finding.kind == "regression" and finding.where["step"] == 0
+        assert "the computation itself changed" in finding.message
+
+
+def test_rounding_sized_change_at_the_first_point_passes():
+    ensemble = ensemble_of()
+    current = make_run_dataset(seed=1)
+    current["attention_norm"][0] = current["attention_norm"][0] * (1 + 1e-6)
+    assert compare_ensemble(current, ensemble) == []
+
+
+def test_a_new_nan_is_a_regression():
+    ensemble = ensemble_of()
+    current = make_run_dataset(seed=9)
+    current["sqnr_db"].loc[{**CELL, "step": 20}] = np.nan
+    assert ("regression", "sqnr_db") in kinds(compare_ensemble(current, ensemble))
+
+
+def test_a_shift_of_every_trained_point_is_caught_by_persistence():
+    ensemble = ensemble_of()
+    current = make_run_dataset(seed=9)
+    current["loss"][1:] = current["loss"][1:] * 1.5
+    assert ("regression", "loss") in kinds(compare_ensemble(current, ensemble))
+
+
+def test_old_single_run_and_one_seed_baselines_are_clear_errors(tmp_path):
+    single = save_baseline(make_run_dataset(seed=0), tmp_path / "single.nc")
+    with pytest.raises(BaselineError, match="single run, not a seed ensemble.*recreate it with"):
+        load_ensemble(single)
+    one = ensemble_of().isel(seed=[0])
+    path = save_baseline(one, tmp_path / "one.nc")
+    with pytest.raises(BaselineError, match="holds 1 seed; an ensemble needs at least 2"):
+        load_ensemble(path)
+    with pytest.raises(ValueError, match="at least 2 distinct seeds"):
+        make_ensemble([make_run_dataset(seed=0)] * 2, {})
+
+
+def test_a_seed_that_is_not_an_integer_is_a_usage_error(capsys):
+    assert cli.main(["run", "--seed", "seven"]) == 2
+    assert "'seven' is not a non-negative integer seed" in capsys.readouterr().err
+
+
+def test_ensemble_keeps_every_seed_and_the_spec_without_seed():
+    ensemble = ensemble_of()
+    assert list(ensemble["seed"].values) == list(SEEDS)
+    assert "seed" not in json.loads(ensemble.attrs["spec"])
+    assert json.loads(ensemble.attrs["ensemble_seeds"]) == list(SEEDS)
