@@ -270,7 +270,7 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import json
 
-    from precision_suite import ensemble, execution, reports, runs
+    from precision_suite import ensemble, execution, files, reports, runs
     from precision_suite.execution import Task
 
     specs = _selected_specs(args)
@@ -292,6 +292,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     for task, ds in zip(tasks, results):
         case = runs.case_id(task.spec)
         ds = ds.assign_attrs(case=f"{case} [{task.label}]")
+        files.save_dataset(ds, report_dir / "results" / f"{files.safe_filename(ds.attrs['case'])}.nc")
         outcome = _judge(case, ds, references[case], rules, tolerances, report_dir)
         alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
         verdicts.append(outcome)

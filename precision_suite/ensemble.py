@@ -287,6 +287,7 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
     sign = 1.0 if space.bad == "up" else -1.0
     first_trained = 1 if member is not None else 0
     mean, sd = spread(s, 1)
+    series_scores = _series_scores(s, first_trained, sign, sd)
     findings: list[Finding] = []
     for g, where in enumerate(s.groups):
         cur_y, cur_v = s.cur_y[g], s.cur_values[g]
@@ -316,10 +317,7 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
         z[:first_trained] = 0.0
         z[~np.isfinite(z)] = 0.0
         trained = slice(first_trained, None)
-        if s.ens_y.shape[2] > first_trained:
-            series_z = _series_z(s, g, trained, sign)
-        else:
-            series_z = 0.0
+        series_z = float(series_scores[g])
         for kind, beyond in (("regression", lambda v: v > z_crit), ("drift", lambda v: v < -z_crit)):
             points = np.flatnonzero(beyond(z))
             if not (points.size or beyond(series_z)):
@@ -340,19 +338,30 @@ def _count_floor(ref_y: float) -> float:
     return math.log((count + 0.5 + FIRST_STEP_FLIPS + FIRST_STEP_FLIP_FRACTION * count) / (count + 0.5))
 
 
-def _series_z(s: _Series, g: int, trained: slice, sign: float) -> float:
-    """z of the mean over trained points, spread from the seeds' means and the pooled floor."""
-    ens = s.ens_y[:, g, trained]
-    cur = s.cur_y[g, trained]
-    ok = np.isfinite(ens).all(axis=0) & np.isfinite(cur)
-    if not ok.any():
-        return 0.0
-    member_means = ens[:, ok].mean(axis=1)
-    k = len(member_means)
-    _, sd = spread(s, 1)
-    floor = float(np.mean(sd[g, trained][ok] ** 2)) / max(int(ok.sum()), 1)
-    var = max(float(np.var(member_means, ddof=1)) * (1 + 1 / k), floor)
-    return float(sign * (cur[ok].mean() - member_means.mean()) / math.sqrt(var)) if var > 0 else 0.0
+def _series_scores(s: _Series, first_trained: int, sign: float, sd: np.ndarray) -> np.ndarray:
+    """Per group, z of the mean over the trained points. Its spread is the seeds' own spread of
+    that mean or, if larger, the same pooled over the layers of the metric's (tensor, layout);
+    floored by the per-point spread over the number of points (count noise)."""
+    ens, cur = s.ens_y[:, :, first_trained:], s.cur_y[:, first_trained:]
+    if cur.shape[1] == 0:
+        return np.zeros(cur.shape[0])
+    ok = np.isfinite(ens).all(axis=0) & np.isfinite(cur)  # (G, T)
+    count = ok.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        member_means = np.where(ok, ens, 0.0).sum(axis=2) / count  # (K, G)
+        cur_means = np.where(ok, cur, 0.0).sum(axis=1) / count
+        var = np.var(member_means, axis=0, ddof=1)
+        floor = np.where(ok, sd[:, first_trained:] ** 2, 0.0).sum(axis=1) / count**2
+    pooled = np.zeros_like(var)
+    for p in np.unique(s.pool):
+        rows = (s.pool == p) & np.isfinite(var)
+        pooled[s.pool == p] = var[rows].mean() if rows.any() else 0.0
+    k = ens.shape[0]
+    total = np.fmax(var, pooled) * (1.0 + 1.0 / k) + floor
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = sign * (cur_means - member_means.mean(axis=0)) / np.sqrt(total)
+    return np.where((count > 0) & np.isfinite(z), z, 0.0)
 
 
 def _y_change(space: Space, d: float, signed: bool = True) -> str:

@@ -1,15 +1,36 @@
 """The pytest plugin, driven through pytester: options, markers, fixtures, regen, failures, charts.
 
-Inner test sessions check synthetic run datasets (docs/architecture.md schema) saved next to them,
-so no training happens here.
+Inner test sessions check RunSpecs; their conftest (INNER_CONFTEST) replaces `runs.run` by
+synthetic datasets (tests/synthetic_data.py, one per seed), so no training happens here. The
+outer test plants a regression or a drift through the environment variable PLANT_ENV.
+
+Laws checked here:
+- the plugin registers its options, ini keys and markers, keeps a project's own `slow` marker,
+  and refuses a bad --precision-device as a usage error;
+- the report header names the loaded [tool.precision_suite] configuration, or says there is none;
+- a missing baseline fails naming the regen command; --precision-regen writes a seed ensemble
+  (listed in the summary), the next run passes, and regenerating unchanged numbers writes nothing;
+- a planted regression fails with a PNG chart named after the test (reported in the summary and
+  the JUnit XML) and never rewrites the baseline; only an explicit regen accepts it;
+- two tests of the same case get two chart files;
+- a drift (a change in the good direction) passes but is reported with a chart;
+- a baseline made for another spec fails naming the field (seed, threads and device do not count);
+- an old single-run baseline fails saying so and naming the regen command;
+- --precision-seed runs the spec with that seed, judged against the ensemble's spread;
+- baseline and report folders come from the ini file, or from the command line;
+- project rules and per-call rules are checked, and a run that breaks them is not made golden;
+- a listed known violation passes with status "known", but never excuses a regression;
+- bad rules, tolerances or [tool.precision_suite] keys fail with a readable message;
+- a dataset (not a RunSpec) under --precision-regen fails with a clear error;
+- precision_run trains each spec once per session; a bad spec fails with the reason only;
+- pytest-xdist workers report their charts to the controller.
 """
 
 from __future__ import annotations
 
-import math
-import sys
-import types
+import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 # pytester drops the modules an inner run imported; h5py cannot load twice and matplotlib's classes
 # must stay the same objects, so both are loaded once here, before any inner run
@@ -18,37 +39,74 @@ import pytest
 import xarray as xr
 
 import precision_suite.charts  # noqa: F401
-
-from precision_suite.baselines import DEFAULT_TOLERANCES, baseline_path
-from precision_suite.runs import RunSpec
+from precision_suite import runs
+from precision_suite.baselines import baseline_path, save_baseline
+from precision_suite.files import safe_filename
+from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
 pytest_plugins = ["pytester"]
 
+TESTS_DIR = Path(__file__).resolve().parent
+PLANT_ENV = "PRECISION_SUITE_TEST_PLANT"  # "regression" or "drift": what the fake training plants
+CASE = "vit-softmax-fp32"
+NODE = "test_inner_case.py::test_case"
+
+# The inner project's conftest: every precision run is a synthetic dataset of the spec's seed
+# (also the runs --precision-regen makes for the ensemble and its rounding twins).
+INNER_CONFTEST = f"""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, {str(TESTS_DIR)!r})
+from synthetic_data import make_run_dataset
+
+import precision_suite.runs as runs
+
+PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
+
+
+def fake_run(spec, progress=None):
+    ds = make_run_dataset(attention=spec.attention, depth=3, steps=20, sample_every=10, seed=spec.seed)
+    ds.attrs.update(case=runs.case_id(spec), spec=spec.to_json(), N=17)
+    plant = os.environ.get({PLANT_ENV!r}, "")
+    if plant == "regression":  # more underflow at every step of one series
+        ds["underflow"].loc[PLANTED] = ds["underflow"].loc[PLANTED] + 0.1
+    elif plant == "drift":  # smaller attention norms after the seeded initialisation
+        trained = ds["step"] > 0
+        ds["attention_norm"] = ds["attention_norm"].where(~trained, ds["attention_norm"] / 2)
+    with open("trained.jsonl", "a") as log:
+        log.write(spec.to_json() + "\\n")
+    return ds
+
+
+@pytest.fixture(autouse=True)
+def synthetic_training(monkeypatch):
+    monkeypatch.setattr(runs, "run", fake_run)
+"""
+
 CHECK_FILE = """
 import pytest
-import xarray as xr
+from precision_suite.runs import RunSpec
 
 @pytest.mark.precision
 def test_case(precision_check):
-    precision_check(xr.load_dataset("current.nc", engine="h5netcdf"){args})
+    precision_check(RunSpec(model="vit"{spec}){args})
 """
 
 
 @pytest.fixture
-def run() -> xr.Dataset:
-    ds = make_run_dataset(depth=3, steps=20, sample_every=10)
-    ds.attrs["N"] = 17
-    return ds
+def inner(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A pytester project whose precision runs are synthetic."""
+    pytester.makeconftest(INNER_CONFTEST)
+    return pytester
 
 
-def save_current(pytester: pytest.Pytester, ds: xr.Dataset) -> None:
-    ds.to_netcdf(pytester.path / "current.nc", engine="h5netcdf")
-
-
-def make_check(pytester: pytest.Pytester, ds: xr.Dataset, args: str = "") -> None:
-    save_current(pytester, ds)
-    pytester.makepyfile(test_inner_case=CHECK_FILE.format(args=args))
+def make_check(pytester: pytest.Pytester, args: str = "", spec: str = "") -> None:
+    pytester.makepyfile(test_inner_case=CHECK_FILE.format(args=args, spec=spec))
 
 
 def junit_properties(path) -> dict[str, list[str]]:
@@ -58,11 +116,17 @@ def junit_properties(path) -> dict[str, list[str]]:
     return props
 
 
-def regressed(ds: xr.Dataset) -> xr.Dataset:
-    """`ds` with layer 1's attention norm three tolerances higher (a planted regression)."""
-    out = ds.copy(deep=True)
-    out["attention_norm"].loc[{"layer": 1}] *= math.exp(3 * DEFAULT_TOLERANCES["attention_norm"].tol)
-    return out
+def chart_of(pytester: pytest.Pytester, nodeid: str, report_dir: str = "reports") -> Path:
+    return pytester.path / report_dir / "charts" / f"{safe_filename(nodeid)}.png"
+
+
+def trained_seeds(pytester: pytest.Pytester) -> list[int]:
+    log = pytester.path / "trained.jsonl"
+    return [json.loads(line)["seed"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def is_png(path: Path | str) -> bool:
+    return Path(path).is_file() and open(path, "rb").read(4) == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------- options and markers
@@ -71,7 +135,8 @@ def regressed(ds: xr.Dataset) -> xr.Dataset:
 def test_options_ini_keys_and_markers_are_registered(pytester):
     help_text = pytester.runpytest("--help").stdout.str()
     for option in ("--precision-regen", "--precision-baseline-dir", "--precision-report-dir",
-                   "--precision-device", "precision_baseline_dir", "precision_report_dir", "precision_device"):
+                   "--precision-device", "--precision-seed", "precision_baseline_dir",
+                   "precision_report_dir", "precision_device"):
         assert option in help_text
     markers = pytester.runpytest("--markers").stdout.str()
     assert "@pytest.mark.precision:" in markers and "@pytest.mark.slow:" in markers
@@ -89,125 +154,212 @@ def test_bad_device_is_a_usage_error(pytester):
     result.stderr.fnmatch_lines(["*--precision-device*'gpu0' is not a device*"])
 
 
+def test_report_header_names_the_loaded_config_or_says_none(pytester):
+    pyproject = pytester.path / "pyproject.toml"
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines([f"precision-suite: no {pyproject} *no project rules or tolerance overrides apply"])
+
+    pytester.makepyprojecttoml('[tool.precision_suite]\nrules = ["underflow <= 1e-3", "overflow <= 0"]\n'
+                               "[tool.precision_suite.tolerances]\nunderflow = 0.1\n")
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines([f"precision-suite: 2 rule(s), 1 tolerance override(s) from {pyproject}*"])
+    assert "no project rules" not in result.stdout.str()
+
+
 # --------------------------------------------------------------------------- baselines
 
 
-def test_missing_baseline_regen_then_pass(pytester, run):
-    make_check(pytester, run)
-    first = pytester.runpytest()
+def test_missing_baseline_regen_then_pass(inner):
+    make_check(inner)
+    first = inner.runpytest()
     first.assert_outcomes(failed=1)
-    first.stdout.fnmatch_lines(["*no baseline*create it with: pytest 'test_inner_case.py::test_case' --precision-regen"
-                                "*precision-suite baseline update --case 'vit-softmax-fp32'*"])
+    first.stdout.fnmatch_lines([f"*no baseline*create it with: pytest '{NODE}' --precision-regen"
+                                f"*precision-suite baseline update --case '{CASE}'*"])
 
-    regen = pytester.runpytest("--precision-regen")
+    regen = inner.runpytest("--precision-regen")
     regen.assert_outcomes(passed=1)
-    path = baseline_path(pytester.path / "baselines", run.attrs["case"])
+    path = baseline_path(inner.path / "baselines", CASE)
     assert path.is_file()
     regen.stdout.fnmatch_lines(["*precision-suite*", f"baseline written  {path}"])
+    ensemble = xr.load_dataset(path, engine="h5netcdf")
+    assert [int(s) for s in ensemble["seed"].values] == [0, 1, 2, 3]
+    assert "first_step_tolerance" in ensemble.attrs
 
-    pytester.runpytest().assert_outcomes(passed=1)
+    inner.runpytest().assert_outcomes(passed=1)
     # regenerating unchanged numbers leaves the file alone (no churn in git)
     written = path.read_bytes()
-    assert "baseline written" not in pytester.runpytest("--precision-regen").stdout.str()
+    assert "baseline written" not in inner.runpytest("--precision-regen").stdout.str()
     assert path.read_bytes() == written
 
 
-def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(pytester, run):
-    make_check(pytester, run)
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
-    path = baseline_path(pytester.path / "baselines", run.attrs["case"])
+def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, monkeypatch):
+    make_check(inner)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    path = baseline_path(inner.path / "baselines", CASE)
     golden = path.read_bytes()
 
-    save_current(pytester, regressed(run))
-    result = pytester.runpytest("--junitxml=junit.xml")
+    monkeypatch.setenv(PLANT_ENV, "regression")
+    result = inner.runpytest("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*precision check of vit-softmax-fp32: FAIL*",
-                                 "*[[]regression[]] vit-softmax-fp32: attention_norm regressed at layer 1*",
-                                 "*precision-suite*", "FAIL*vit-softmax-fp32*(test_inner_case.py::test_case)"])
-    props = junit_properties(pytester.path / "junit.xml")
-    assert props["precision_status"] == ["fail"] and props["precision_case"] == [run.attrs["case"]]
+    result.stdout.fnmatch_lines([f"*precision check of {CASE}: FAIL*",
+                                 f"*[[]regression[]] {CASE}: underflow regressed at layer 2, "
+                                 "tensor gradient_transpose, layout 128x1*",
+                                 "*precision-suite*", f"FAIL*{CASE}*({NODE})"])
+    props = junit_properties(inner.path / "junit.xml")
+    assert props["precision_status"] == ["fail"] and props["precision_case"] == [CASE]
     (chart,) = props["precision_chart"]
-    assert chart.startswith(str(pytester.path / "reports")) and chart.endswith(".png")
-    assert (pytester.path / "reports" / "charts").is_dir() and open(chart, "rb").read(4) == b"\x89PNG"
+    assert chart == str(chart_of(inner, NODE)) and is_png(chart)
     result.stdout.fnmatch_lines([f"chart  {chart}"])
+    obtained = inner.path / "reports" / "obtained" / f"{safe_filename(NODE)}.nc"
+    assert obtained.is_file()  # the failing run is kept beside the report
     assert path.read_bytes() == golden  # a failed comparison never rewrites the baseline
 
     # regeneration is explicit: asked for, it accepts the new numbers
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
     assert path.read_bytes() != golden
-    pytester.runpytest().assert_outcomes(passed=1)
+    inner.runpytest().assert_outcomes(passed=1)
 
 
-def test_drift_passes_but_is_reported(pytester, run):
-    make_check(pytester, run)
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
-    better = run.copy(deep=True)
-    better["attention_norm"] = run["attention_norm"] / 2
-    save_current(pytester, better)
-    result = pytester.runpytest("--junitxml=junit.xml")
+def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
+    inner.makepyfile(test_inner_two="""
+        from precision_suite.runs import RunSpec
+
+        def test_one(precision_check):
+            precision_check(RunSpec(model="vit"))
+
+        def test_two(precision_check):
+            precision_check(RunSpec(model="vit"))
+    """)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=2)
+    monkeypatch.setenv(PLANT_ENV, "regression")
+    result = inner.runpytest("--junitxml=j.xml")
+    result.assert_outcomes(failed=2)
+    charts = junit_properties(inner.path / "j.xml")["precision_chart"]
+    expected = [str(chart_of(inner, f"test_inner_two.py::{name}")) for name in ("test_one", "test_two")]
+    assert sorted(charts) == sorted(expected) and len(set(charts)) == 2
+    assert all(is_png(chart) for chart in charts)
+
+
+def test_drift_passes_but_is_reported(inner, monkeypatch):
+    make_check(inner)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    monkeypatch.setenv(PLANT_ENV, "drift")
+    result = inner.runpytest("--junitxml=junit.xml")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*precision-suite*", "DRIFT*vit-softmax-fp32*", "chart  *.png"])
-    assert junit_properties(pytester.path / "junit.xml")["precision_status"] == ["drift"]
+    result.stdout.fnmatch_lines(["*precision-suite*", f"DRIFT*{CASE}*", "chart  *.png"])
+    props = junit_properties(inner.path / "junit.xml")
+    assert props["precision_status"] == ["drift"] and is_png(props["precision_chart"][0])
 
 
-def test_spec_change_fails_naming_the_field(pytester, run):
-    make_check(pytester, run)
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
-    changed = run.copy()
-    changed.attrs = {**run.attrs, "spec": run.attrs["spec"].replace('"seed": 0', '"seed": 5')}
-    save_current(pytester, changed)
-    result = pytester.runpytest()
+def test_spec_change_fails_naming_the_field(inner):
+    make_check(inner, spec=", steps=20")
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    make_check(inner, spec=", steps=30, threads=2")  # threads only changes rounding: not named
+    result = inner.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*[[]error[]]*made for another spec (seed: baseline 0, current 5)*--precision-regen*"])
+    result.stdout.fnmatch_lines(["*[[]error[]]*made for another spec (steps: baseline 20, current 30)*--precision-regen*"])
 
 
-def test_dirs_from_ini_and_command_line(pytester, run):
-    pytester.makeini("[pytest]\nprecision_baseline_dir = golden\nprecision_report_dir = out\n")
-    make_check(pytester, run)
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
-    assert baseline_path(pytester.path / "golden", run.attrs["case"]).is_file()
-    pytester.runpytest("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(passed=1)
-    assert baseline_path(pytester.path / "other", run.attrs["case"]).is_file()
-    save_current(pytester, regressed(run))
-    pytester.runpytest("--junitxml=j.xml").assert_outcomes(failed=1)
-    (chart,) = junit_properties(pytester.path / "j.xml")["precision_chart"]
-    assert chart.startswith(str(pytester.path / "out"))
-
-
-# --------------------------------------------------------------------------- rules and tolerances
-
-
-def test_project_rules_and_call_rules_are_checked(pytester, run):
-    pytester.makepyprojecttoml('[tool.precision_suite]\nrules = ["attention_norm <= sqrt(N) @ attention=softmax"]\n')
-    make_check(pytester, run)
-    result = pytester.runpytest("--precision-regen")  # the synthetic norms grow far past sqrt(N)
+def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
+    make_check(inner)
+    old = make_run_dataset(depth=3, steps=20, sample_every=10)
+    old.attrs.update(case=CASE, spec=RunSpec(model="vit").to_json())
+    save_baseline(old, baseline_path(inner.path / "baselines", CASE))
+    result = inner.runpytest()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*[[]threshold[]]*rule 'attention_norm <= sqrt(N) @ attention=softmax' violated at layer 0*",
-                                 "*baseline*not written*"])
-    assert not baseline_path(pytester.path / "baselines", run.attrs["case"]).exists()
+    result.stdout.fnmatch_lines([f"*[[]error[]]*single run, not a seed ensemble*recreate it with: "
+                                 f"pytest '{NODE}' --precision-regen*"])
 
-    pytester.makepyprojecttoml("[tool.precision_suite]\nrules = []\n")
-    pytester.makepyfile(test_inner_case=CHECK_FILE.format(args=', rules=["growth(attention_norm) <= 2 @ layer=2"]'))
-    result = pytester.runpytest("--precision-regen")
+
+def test_precision_seed_runs_that_seed_against_the_ensemble(inner, monkeypatch):
+    make_check(inner)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    assert sorted(set(trained_seeds(inner))) == [0, 1, 2, 3]
+    (inner.path / "trained.jsonl").unlink()
+
+    inner.runpytest("--precision-seed", "7").assert_outcomes(passed=1)
+    assert trained_seeds(inner) == [7]
+    # a seed outside the ensemble is still judged: the planted regression fails
+    monkeypatch.setenv(PLANT_ENV, "regression")
+    result = inner.runpytest("--precision-seed", "7")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]regression[]]*underflow regressed at layer 2*"])
+
+
+def test_dirs_from_ini_and_command_line(inner, monkeypatch):
+    inner.makeini("[pytest]\nprecision_baseline_dir = golden\nprecision_report_dir = out\n")
+    make_check(inner)
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    assert baseline_path(inner.path / "golden", CASE).is_file()
+    inner.runpytest("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(passed=1)
+    assert baseline_path(inner.path / "other", CASE).is_file()
+    monkeypatch.setenv(PLANT_ENV, "regression")
+    inner.runpytest("--junitxml=j.xml").assert_outcomes(failed=1)
+    (chart,) = junit_properties(inner.path / "j.xml")["precision_chart"]
+    assert chart == str(chart_of(inner, NODE, "out"))
+    inner.runpytest("--junitxml=k.xml", "--precision-report-dir", "elsewhere").assert_outcomes(failed=1)
+    (chart,) = junit_properties(inner.path / "k.xml")["precision_chart"]
+    assert chart == str(chart_of(inner, NODE, "elsewhere"))
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_project_rules_and_call_rules_are_checked(inner):
+    inner.makepyprojecttoml('[tool.precision_suite]\nrules = ["attention_norm <= sqrt(N) @ attention=softmax"]\n')
+    make_check(inner)
+    result = inner.runpytest("--precision-regen")  # the synthetic norms grow far past sqrt(N)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]error[]]*baseline*not written: a run that breaks its rules is not golden",
+                                 "*[[]threshold[]]*rule 'attention_norm <= sqrt(N) @ attention=softmax' violated at layer 0*"])
+    assert not baseline_path(inner.path / "baselines", CASE).exists()
+
+    inner.makepyprojecttoml("[tool.precision_suite]\nrules = []\n")
+    make_check(inner, args=', rules=["growth(attention_norm) <= 2 @ layer=2"]')
+    result = inner.runpytest("--precision-regen")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rule 'growth(attention_norm) <= 2 @ layer=2' violated at layer 2, step 19*"])
 
 
-def test_bad_rules_and_config_fail_readably(pytester, run):
-    make_check(pytester, run, args=', rules=["underflow < 1"]')
-    result = pytester.runpytest()
-    result.stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
-    pytester.makepyprojecttoml("[tool.precision_suite]\nrulez = []\n")
-    make_check(pytester, run)
-    result = pytester.runpytest()
+def test_a_known_violation_passes_as_known_but_never_excuses_a_regression(inner, monkeypatch):
+    make_check(inner, args=', rules=["attention_norm <= 1"], known_violation="norms start at 2, issue #7"')
+    inner.runpytest("--precision-regen").assert_outcomes(passed=1)  # known: the baseline is written
+    assert baseline_path(inner.path / "baselines", CASE).is_file()
+    result = inner.runpytest("--junitxml=j.xml")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*precision-suite*", f"KNOWN*{CASE}*({NODE})"])
+    assert junit_properties(inner.path / "j.xml")["precision_status"] == ["known"]
+
+    monkeypatch.setenv(PLANT_ENV, "regression")
+    inner.runpytest().assert_outcomes(failed=1)
+
+
+def test_bad_rules_tolerances_and_config_fail_readably(inner):
+    make_check(inner, args=', rules=["underflow < 1"]')
+    inner.runpytest().stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
+    make_check(inner, args=', tolerances={"no_such_metric": 1.0}')
+    inner.runpytest().stdout.fnmatch_lines(["*precision check configuration: metric 'no_such_metric' "
+                                            "has no default tolerance*"])
+    inner.makepyprojecttoml("[tool.precision_suite]\nrulez = []\n")
+    make_check(inner)
+    result = inner.runpytest()
+    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pyproject.toml: [[]tool.precision_suite[]] has unknown key(s) rulez*"])
 
 
-def test_per_call_tolerances(pytester, run):
-    make_check(pytester, run, args=', tolerances={"attention_norm": 1.0}')
-    pytester.runpytest("--precision-regen").assert_outcomes(passed=1)
-    save_current(pytester, regressed(run))
-    pytester.runpytest().assert_outcomes(passed=1)
+def test_a_dataset_under_regen_is_a_clear_error(pytester):
+    ds = make_run_dataset(depth=3, steps=20, sample_every=10)
+    ds.to_netcdf(pytester.path / "current.nc", engine="h5netcdf")
+    pytester.makepyfile(test_inner_case="""
+        import xarray as xr
+
+        def test_case(precision_check):
+            precision_check(xr.load_dataset("current.nc", engine="h5netcdf"))
+    """)
+    result = pytester.runpytest("--precision-regen")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]error[]]*--precision-regen needs a RunSpec*not a dataset*"])
+    assert not baseline_path(pytester.path / "baselines", ds.attrs["case"]).exists()
 
 
 # --------------------------------------------------------------------------- the run fixture
@@ -222,9 +374,11 @@ def test_precision_run_runs_each_spec_once_per_session(pytester, monkeypatch):
 
     def fake_run(spec):
         calls.append(spec)
-        return make_run_dataset(attention=spec.attention, depth=2, steps=10)
+        ds = make_run_dataset(attention=spec.attention, depth=2, steps=10)
+        ds.attrs["case"] = case_id(spec)
+        return ds
 
-    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run, RunSpec=RunSpec))
+    monkeypatch.setattr(runs, "run", fake_run)  # the inner session runs in this process
     pytester.makepyfile(test_inner_runs=f"""
         from {__name__} import vit
 
@@ -234,7 +388,7 @@ def test_precision_run_runs_each_spec_once_per_session(pytester, monkeypatch):
         def test_b(precision_run):
             assert precision_run(vit()) is precision_run(vit())
             assert precision_run(dict(model="vit", attention="softmax")) is precision_run(vit())
-            assert precision_run(vit("x/1")).attrs["case"] == "vit-x/1-fp32"
+            assert precision_run(vit("x/1")).attrs["case"] == "vit-x-1-fp32"
     """)
     pytester.runpytest("--precision-device", "cpu").assert_outcomes(passed=2)
     assert calls == [vit("softmax", "cpu"), vit("x/1", "cpu")]
@@ -244,7 +398,7 @@ def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
     def fake_run(spec):
         raise ValueError(f"unknown attention {spec.attention!r}; known: softmax, x/1")
 
-    monkeypatch.setitem(sys.modules, "precision_suite.runs", types.SimpleNamespace(run=fake_run, RunSpec=RunSpec))
+    monkeypatch.setattr(runs, "run", fake_run)
     pytester.makepyfile(test_inner_bad=f"""
         from {__name__} import vit
 
@@ -259,24 +413,19 @@ def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
 
 
 @pytest.mark.slow
-def test_xdist_workers_report_charts_to_the_controller(pytester, run):
-    pytester.makepyfile(test_inner_cases="""
+def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
+    inner.makepyfile(test_inner_cases="""
         import pytest
-        import xarray as xr
+        from precision_suite.runs import RunSpec
 
-        @pytest.mark.parametrize("name", ["a", "b"])
-        def test_case(precision_check, name):
-            precision_check(xr.load_dataset(f"{name}.nc", engine="h5netcdf"))
+        @pytest.mark.parametrize("attention", ["x/1", "x^3/1"])
+        def test_case(precision_check, attention):
+            precision_check(RunSpec(model="vit", attention=attention))
     """)
-    for name, attention in (("a", "x/1"), ("b", "x^3/1")):
-        make_run_dataset(attention=attention, depth=2, steps=10).to_netcdf(
-            pytester.path / f"{name}.nc", engine="h5netcdf")
-    pytester.runpytest("-n", "2", "--precision-regen").assert_outcomes(passed=2)
-    for name in ("a", "b"):
-        ds = xr.load_dataset(pytester.path / f"{name}.nc", engine="h5netcdf")
-        regressed(ds).to_netcdf(pytester.path / f"{name}.nc", engine="h5netcdf")
-    result = pytester.runpytest("-n", "2", "--junitxml=j.xml")
+    inner.runpytest("-n", "2", "--precision-regen").assert_outcomes(passed=2)
+    monkeypatch.setenv(PLANT_ENV, "regression")  # the workers inherit the environment
+    result = inner.runpytest("-n", "2", "--junitxml=j.xml")
     result.assert_outcomes(failed=2)
-    charts = junit_properties(pytester.path / "j.xml")["precision_chart"]
-    assert len(set(charts)) == 2
+    charts = junit_properties(inner.path / "j.xml")["precision_chart"]
+    assert len(set(charts)) == 2 and all(is_png(chart) for chart in charts)
     result.stdout.fnmatch_lines(["*precision-suite*", "chart  *.png", "chart  *.png"])
