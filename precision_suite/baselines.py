@@ -25,6 +25,7 @@ import xarray as xr
 
 from precision_suite.findings import TIME_DIMS, Finding, format_where, to_python
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
+from precision_suite.metric_table import METRICS
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
 EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
@@ -80,20 +81,29 @@ class Tolerance:
             raise ValueError(f"Tolerance.trained must be a finite number >= 0 or None, got {self.trained!r}")
 
 
-# The one table of defaults; docs/baselines.md explains every number. Metrics not listed here
-# (mse, accuracy) are not compared: mse scales with the tensor and duplicates sqnr_db; batch
-# accuracy moves in steps of 1/batch and duplicates loss.
+def _declared(metric: str, space: str, tol: float, floor: float = 0.0,
+              trained: float | None = None) -> Tolerance:
+    """A default tolerance whose bad direction is the metric table's (for one_minus_cos_relative,
+    the direction of 1 - value, opposite to the cosine's)."""
+    bad = METRICS[metric].bad
+    if space == "one_minus_cos_relative":
+        bad = "up" if bad == "down" else "down"
+    return Tolerance(space, tol, bad, floor=floor, trained=trained)
+
+
+# The one table of defaults; docs/baselines.md explains every number. Metrics the metric table
+# does not compare (mse, accuracy) are not listed.
 # `trained` values: 1.5x the largest difference measured between 1 and 2 CPU threads over the whole
 # default matrix (docs/baselines.md, "Measured spread").
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "attention_norm": Tolerance("log", 0.05, "up", trained=1.1),
-    "underflow": Tolerance("absolute", 5e-4, "up", trained=0.04),
-    "zeros_after": Tolerance("absolute", 5e-4, "up", trained=0.04),
-    "overflow": Tolerance("absolute", 1e-4, "up", trained=3.5e-3),
-    "distortion": Tolerance("one_minus_cos_relative", 0.10, "up", floor=1e-7, trained=1.1),
-    "sqnr_db": Tolerance("db", 0.5, "down", trained=8.0),
-    "loss": Tolerance("relative", 0.02, "up", floor=1e-12, trained=0.4),
-    "nonfinite": Tolerance("absolute", 0.0, "up"),
+    "attention_norm": _declared("attention_norm", "log", 0.05, trained=1.1),
+    "underflow": _declared("underflow", "absolute", 5e-4, trained=0.04),
+    "zeros_after": _declared("zeros_after", "absolute", 5e-4, trained=0.04),
+    "overflow": _declared("overflow", "absolute", 1e-4, trained=3.5e-3),
+    "distortion": _declared("distortion", "one_minus_cos_relative", 0.10, floor=1e-7, trained=1.1),
+    "sqnr_db": _declared("sqnr_db", "db", 0.5, trained=8.0),
+    "loss": _declared("loss", "relative", 0.02, floor=1e-12, trained=0.4),
+    "nonfinite": _declared("nonfinite", "absolute", 0.0),
 }
 
 ToleranceOverride = Tolerance | float | int | Mapping[str, Any] | None

@@ -27,26 +27,12 @@ from matplotlib.figure import Figure
 
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file
+from precision_suite.metric_table import METRICS
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
 
-# units shown on y axes; a metric missing here is labelled with its name only
-# Values a metric can take (SCIENCE.md): fractions of elements, and a cosine similarity.
-METRIC_RANGES = {"underflow": (0.0, 1.0), "zeros_after": (0.0, 1.0), "overflow": (0.0, 1.0), "distortion": (-1.0, 1.0)}
-METRIC_UNITS = {
-    "attention_norm": "Frobenius norm of φ(S), mean over heads",
-    "underflow": "fraction of elements (non-zero → zero)",
-    "zeros_after": "fraction of elements zero after",
-    "overflow": "fraction of elements saturated",
-    "distortion": "cosine similarity",
-    "sqnr_db": "SQNR (dB)",
-    "mse": "mean squared error",
-    "nonfinite": "NaN/Inf count",
-    "loss": "cross-entropy (nats)",
-    "accuracy": "fraction correct",
-}
 X_LABELS = {"step": "training step", "tokens": "tokens seen", "train_step": "training step"}
 
 # figure B panels: (tensor coordinate, layout label, title as in the Ling 2.0 figure)
@@ -90,7 +76,7 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
         ax.set_yscale("log")
         ax.set_title(f"layer {layer}")
         ax.set_xlabel(X_LABELS[x])
-        ax.set_ylabel(METRIC_UNITS["attention_norm"])
+        ax.set_ylabel(METRICS["attention_norm"].axis_label)
         ax.grid(True, which="major", alpha=0.3)
         _note_hidden_points(ax, hidden, "NaN/Inf/non-positive")
     fig.suptitle(f"Attention norm per layer: {_describe_runs(datasets)}")
@@ -119,7 +105,7 @@ def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
         for ax, (tensor, layout, title) in zip(row, QUANT_PANELS):
             ax.set_title(title.format(metric=metric))
             ax.set_xlabel(X_LABELS["tokens"])
-            ax.set_ylabel(METRIC_UNITS[metric])
+            ax.set_ylabel(METRICS[metric].axis_label)
             ax.grid(True, alpha=0.3)
             values = _select_pair(ds[metric], tensor, layout)
             if values is None or not np.isfinite(values.values).any():
@@ -326,7 +312,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
         if reference is not None:
             if edges is not None:
                 # a band never suggests an impossible value (a negative fraction, a cosine > 1)
-                low, high = METRIC_RANGES.get(panel.metric, (-np.inf, np.inf))
+                low, high = _valid_range(panel.metric)
                 ax.fill_between(ref_x, np.clip(edges[0], low, high), np.clip(edges[1], low, high),
                                 color=colour, alpha=0.15, linewidth=0)
 
@@ -344,8 +330,17 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
     title = " ".join([panel.metric] + [str(v) for _, v in panel.fixed])
     ax.set_title(title)
     ax.set_xlabel(X_LABELS.get(x_dim, ""))
-    ax.set_ylabel(METRIC_UNITS.get(panel.metric, panel.metric))
+    ax.set_ylabel(_axis_label(panel.metric))
     if panel.metric == "attention_norm":
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def _axis_label(metric: str) -> str:
+    return METRICS[metric].axis_label if metric in METRICS else metric
+
+
+def _valid_range(metric: str) -> tuple[float, float]:
+    declared = METRICS[metric].valid_range if metric in METRICS else None
+    return declared if declared is not None else (-np.inf, np.inf)

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Progress goes to stderr, the summary to stdout.")
     _add_selection(run)
     _add_checking(run)
+    run.add_argument("--workers", type=_workers, default=None, metavar="N",
+                     help="worker processes, one case each (default: the number of cores; 1 trains "
+                          "in this process with live progress)")
     run.add_argument("--save-results", metavar="DIR",
                      help="also save each run as DIR/<case>.nc, for `compare` and `report` later")
     run.set_defaults(command_func=_cmd_run)
@@ -121,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure false alarms and the smallest detected change on this machine",
         description="Run every selected case under perturbations that must not fail it (2 threads, "
                     "eager PRECISION_SUITE_COMPILE=0, held-out seeds), judge each against its "
-                    "baseline ensemble, and print per metric the false alarms seen and the "
+                    "baseline ensemble, judge each baseline seed against the others (no training), "
+                    "and print per metric the false alarms seen and the "
                     "smallest change the comparison detects. Run it once on your CI runners.")
     _add_selection(calibrate)
     _add_checking(calibrate)
@@ -133,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser(
         "report", help="charts and summary of saved results, without training",
-        description="Write a report (charts of every case, rules checked) from saved results. "
-                    "With --baseline-dir the results are also compared with their baselines.")
-    report.add_argument("results", metavar="RESULTS", help="a .nc result file or a folder of them")
+        description="Write a report (charts of every case, rules checked) from saved results, "
+                    "merging several folders (one per CI shard) into one. With --baseline-dir the "
+                    "results are also compared with their baselines.")
+    report.add_argument("results", metavar="RESULTS", nargs="+",
+                        help="a .nc result file or a folder of them; several (e.g. one per CI "
+                             "shard) merge into one report")
     _add_checking(report, baselines=False, charts_default="all")
     report.add_argument("--baseline-dir", metavar="DIR", default=None,
                         help="also compare with the baselines in DIR")
@@ -157,6 +164,10 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", metavar="S", type=_seed, default=None,
                        help="train with seed S (any non-negative integer; judged against the "
                             "baseline's seed ensemble) instead of the specs' seed")
+    group.add_argument("--shard", metavar="I/N", type=_shard, default=None,
+                       help="only the I-th of N shards of the selection (cases dealt round-robin "
+                            "in matrix order: every case in exactly one shard); merge the shards' "
+                            "saved results with `precision-suite report DIR1 DIR2 ...`")
 
 
 def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
@@ -183,6 +194,17 @@ def _seed(text: str) -> int:
     return value
 
 
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shard: write I/N, e.g. 1/4") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"{text!r}: the shard number I must be between 1 and N={n}")
+    return i, n
+
+
 def _workers(text: str) -> int:
     try:
         value = int(text)
@@ -202,7 +224,7 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from precision_suite import baselines, files, runs
+    from precision_suite import baselines, execution, files, runs
 
     specs = _selected_specs(args)
     if args.save_results and Path(args.save_results).resolve() == Path(args.baseline_dir).resolve():
@@ -217,15 +239,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                            _regen_command(args, case))
     report_dir = _report_dir(args.report_dir)
     verdicts, datasets = [], {}
-    for index, spec in enumerate(specs, 1):
+    for spec, ds in zip(specs, _train_all(runs, specs, args.workers or execution.default_workers())):
         case = runs.case_id(spec)
-        ds = _train(runs, spec, f"[{index}/{len(specs)}] {case}")
         if args.save_results:
             files.save_dataset(ds, _result_path(args.save_results, case))
         verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir,
                                _regen_command(args, case)))
         datasets[case] = ds
-    return _finish(verdicts, datasets, report_dir, args.charts)
+    return _finish(verdicts, datasets, report_dir, args.charts,
+                   _sensitivity(references, datasets, args.baseline_dir))
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -268,9 +290,10 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import datetime
     import json
 
-    from precision_suite import ensemble, execution, files, reports, runs
+    from precision_suite import calibration, ensemble, execution, files, reports, runs
     from precision_suite.execution import Task
 
     specs = _selected_specs(args)
@@ -293,19 +316,32 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         case = runs.case_id(task.spec)
         ds = ds.assign_attrs(case=f"{case} [{task.label}]")
         files.save_dataset(ds, report_dir / "results" / f"{files.safe_filename(ds.attrs['case'])}.nc")
-        outcome = _judge(case, ds, references[case], rules, tolerances, report_dir)
-        alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
-        verdicts.append(outcome)
-        table.append({"case": case, "perturbation": task.label, "status": outcome.status,
-                      "false_alarms": {m: sum(f.metric == m for f in alarms) for m in ensemble.SPACES}})
+        _tabulate(table, verdicts, case, task.label, _judge(case, ds, references[case], rules, tolerances,
+                                                           report_dir))
+    for case, reference in references.items():  # free held-out runs: each member against the rest
+        if len(ensemble.ensemble_seeds(reference)) < 3:
+            continue  # one seed left: no spread to judge by
+        for seed, member, others in ensemble.leave_one_out(reference):
+            label = f"seed {seed} left out"
+            member = member.assign_attrs(case=f"{case} [{label}]")
+            outcome = _judge(case, member, others, rules, tolerances, report_dir)
+            _tabulate(table, verdicts, case, label, outcome)
     detectable = {runs.case_id(spec): ensemble.detectable_change(ds, references[runs.case_id(spec)])
                   for spec, ds in zip(specs, results[::len(perturbations)])}
-    reports.write_report(verdicts, report_dir, charts=args.charts)
-    (report_dir / "calibration.json").write_text(json.dumps(
-        {"runs": table, "detectable_change": detectable}, indent=2) + "\n")
     alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in ensemble.SPACES}
     failing = [row for row in table if row["status"] in ("fail", "error", "drift")]
-    print(f"{len(table)} perturbed runs, {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
+    measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "fingerprint": json.loads(results[0].attrs["fingerprint"]) if results else {},
+                "cases": sorted(references), "perturbations": sorted({row["perturbation"] for row in table}),
+                "runs": len(table), "runs_with_alarms": len(failing), "false_alarms": alarms_by_metric}
+    sensitivity = {"design_false_alarm_rate": ensemble.FALSE_ALARM_RATE, "measured": measured,
+                   "detectable_change": detectable}
+    reports.write_report(verdicts, report_dir, charts=args.charts, sensitivity=sensitivity)
+    files.write_json({"runs": table, **sensitivity}, report_dir / "calibration.json")
+    # beside the baselines it measured, so every later run report can state it
+    files.write_json(measured, calibration.measured_path(args.baseline_dir))
+    print(f"{len(table)} perturbed runs ({len(tasks)} trained, {len(table) - len(tasks)} members left out of "
+          f"their ensemble), {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
     for row in failing:
         print(f"  {row['status'].upper():5} {row['case']} [{row['perturbation']}]")
     for metric, count in alarms_by_metric.items():
@@ -314,8 +350,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"smallest detected change, {case}:")
         for metric, text in changes.items():
             print(f"  {metric:15} {text}")
-    print(f"report: {report_dir / 'index.html'}; table: {report_dir / 'calibration.json'}")
+    print(f"report: {report_dir / 'index.html'}; table: {report_dir / 'calibration.json'}; "
+          f"summary for later run reports: {calibration.measured_path(args.baseline_dir)} (commit it)")
     return EXIT_REGRESSION if failing else EXIT_OK
+
+
+def _tabulate(table: list, verdicts: list, case: str, label: str, outcome: Any) -> None:
+    from precision_suite import ensemble
+
+    alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
+    verdicts.append(outcome)
+    table.append({"case": case, "perturbation": label, "status": outcome.status,
+                  "false_alarms": {m: sum(f.metric == m for f in alarms) for m in ensemble.SPACES}})
 
 
 def _baselines():
@@ -325,19 +371,29 @@ def _baselines():
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    results = _load_results(args.results, "RESULTS")
+    results: dict = {}
+    origin: dict = {}
+    for location in args.results:
+        for case, ds in _load_results(location, "RESULTS").items():
+            if case in results:
+                raise UsageError(f"RESULTS {origin[case]} and {location} both hold case {case!r}; "
+                                 "each case belongs to one shard: give each folder once")
+            results[case], origin[case] = ds, location
     rules, tolerances = _load_rules(args.rules)
     report_dir = _report_dir(args.report_dir)
     verdicts = []
     if args.baseline_dir is not None:
         from precision_suite import baselines
+    references = {}
     for case, ds in results.items():
         reference = None
         if args.baseline_dir is not None:
-            reference = _load_reference(baselines, args.baseline_dir, case, ds.attrs.get("spec"),
-                                        baselines.default_regen_hint(case))
+            reference = references[case] = _load_reference(baselines, args.baseline_dir, case,
+                                                           ds.attrs.get("spec"),
+                                                           baselines.default_regen_hint(case))
         verdicts.append(_judge(case, ds, reference, rules, tolerances, report_dir))
-    return _finish(verdicts, results, report_dir, args.charts)
+    sensitivity = _sensitivity(references, results, args.baseline_dir) if references else None
+    return _finish(verdicts, results, report_dir, args.charts, sensitivity)
 
 
 # --------------------------------------------------------------------------- specs
@@ -373,6 +429,12 @@ def _selected_specs(args: argparse.Namespace) -> list:
         specs = [cases[c] for c in args.case]
     if not specs:
         raise UsageError(f"the selection from {source} is empty; widen --model/--attention/--recipe")
+    if getattr(args, "shard", None) is not None:
+        index, count = args.shard
+        if count > len(specs):
+            raise UsageError(f"--shard {index}/{count}: the selection has only {len(specs)} case(s); "
+                             f"use at most {len(specs)} shards")
+        specs = specs[index - 1::count]
     for spec in specs:  # type errors first: a case id is built from these fields
         for field in ("model", "attention", "recipe"):
             if not isinstance(getattr(spec, field), str):
@@ -436,6 +498,29 @@ def _regen_command(args: argparse.Namespace, case: str) -> str:
 
 
 # --------------------------------------------------------------------------- training and judging
+
+
+def _train_all(runs: Any, specs: list, workers: int) -> list:
+    """Every spec's run: serially with live per-step progress, or in a pool of `workers`
+    processes with a line per finished case (identical numbers either way)."""
+    from precision_suite import execution
+
+    if workers == 1 or len(specs) == 1:
+        return [_train(runs, spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}")
+                for i, spec in enumerate(specs, 1)]
+    print(f"training {len(specs)} case(s) on {min(workers, len(specs))} worker processes",
+          file=sys.stderr, flush=True)
+    finished = [0]
+
+    def done(_index: int, task: Any, seconds: float) -> None:
+        finished[0] += 1
+        print(f"[{finished[0]}/{len(specs)}] {runs.case_id(task.spec)} done ({seconds:.0f} s so far)",
+              file=sys.stderr, flush=True)
+
+    try:
+        return execution.run_tasks([execution.Task(spec) for spec in specs], workers, done)
+    except ValueError as exc:  # e.g. --device cuda on a machine without CUDA
+        raise UsageError(str(exc)) from None
 
 
 def _train(runs: Any, spec: Any, label: str):
@@ -508,10 +593,26 @@ def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | li
         raise UsageError(f"tolerances: {exc}") from None
 
 
-def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str) -> int:
+def _sensitivity(references: dict, datasets: dict, baseline_dir: str) -> dict:
+    """What a report states about its comparison: the designed false-alarm rate, the rate
+    `calibrate` measured on these baselines (if it was run), the smallest change detected."""
+    from precision_suite import calibration, ensemble
+
+    try:
+        measured = calibration.read_measured(baseline_dir)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return {"design_false_alarm_rate": ensemble.FALSE_ALARM_RATE, "measured": measured,
+            "detectable_change": {case: ensemble.detectable_change(ds, references[case])
+                                  for case, ds in datasets.items()
+                                  if case in references and "seed" in references[case].dims}}
+
+
+def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str,
+            sensitivity: dict | None = None) -> int:
     from precision_suite import judge, reports
 
-    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts)
+    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts, sensitivity=sensitivity)
     for verdict in verdicts:
         first = f": {verdict.findings[0].message}" if verdict.findings else ""
         more = f" (+{len(verdict.findings) - 1} more)" if len(verdict.findings) > 1 else ""

@@ -12,16 +12,21 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
   elements plus a few percent of the count (`FIRST_STEP_FLIPS`): rounding moves only the elements
   that sit on a quantization boundary.
 - **trained points** (and every point of a seed outside the ensemble): against the ensemble's
-  spread, per series (metric x layer x tensor x layout) in the metric's own space
-  (`SPACES`). Two statistics per series: each point, and the mean over the trained points
-  (persistence: a systematic shift shows at every step, a chaotic excursion at one). The spread
-  of a point is the larger of its own K-seed spread and the spread pooled over every point of the
-  same metric, tensor and layout (K is small: the pooled estimate has hundreds of degrees of
-  freedom and keeps one quiet series from false-alarming), plus a floor: Poisson noise of the
-  counted elements for fractions, so a fourfold change at 1e-5 is as visible as at 1e-2.
-  The threshold is Bonferroni-corrected over every statistic of the case, so the false-alarm
-  rate of the whole case is `FALSE_ALARM_RATE` under the Gaussian model (measured, not assumed:
-  docs/baselines.md).
+  spread, per series (metric x layer x tensor x layout) in the metric's own space (`SPACES`).
+  Each point's z is its distance from the K-seed mean in spreads; the spread of a point is the
+  larger of its own K-seed spread and the spread pooled over every trained point of the same
+  metric, tensor and layout (K is small: the pooled estimate has hundreds of degrees of freedom
+  and keeps one quiet series from false-alarming), plus a floor: Poisson noise of the counted
+  elements for fractions, so a fourfold change at 1e-5 is as visible as at 1e-2.
+  A series is judged by the **median of its trained points' z** (persistence). A seed's
+  trajectory has excursions: a loss spike moves every layer at one step by tens of spreads
+  (measured: docs/baselines.md, leave-one-seed-out), which no K-seed spread predicts; a change of
+  the code moves the series at most of its steps. The median ignores fewer than half of the
+  points, whatever they do, and shifts fully with a systematic change. Its band is Bonferroni-
+  corrected over the case's series (`trained_threshold`), so the false-alarm rate of the whole
+  case is at most `FALSE_ALARM_RATE` under the Gaussian model of each point, whatever the
+  correlation between the points of one trajectory (measured, not assumed: docs/baselines.md).
+  A new NaN/Inf where every seed measured a number fails at any point.
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from precision_suite.calibration import DESIGN_FALSE_ALARM_RATE
 from precision_suite.findings import Finding, TIME_DIMS, format_where, to_python
+from precision_suite.metric_table import COMPARED, METRICS, Space
 
 # Four seeds: each costs a full training run per case on regeneration, and the pooled spread
 # (below) supplies the degrees of freedom that four seeds alone do not.
 ENSEMBLE_SEEDS = (0, 1, 2, 3)
-FALSE_ALARM_RATE = 1e-3  # per case, Bonferroni over all its statistics
+FALSE_ALARM_RATE = DESIGN_FALSE_ALARM_RATE  # per case, Bonferroni over its series
+MEDIAN_MARKOV = 2  # P(median of T points beyond c) <= 2 P(one point beyond c): see trained_threshold
 # Perturbations that change only rounding, run at regeneration on the first step of each seed.
 ROUNDING_PERTURBATIONS = ({"threads": 2}, {"env": {"PRECISION_SUITE_COMPILE": "0"}})
 FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference measured
@@ -51,29 +59,18 @@ FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference measured
 # fraction of itself (the count-aware floor; sampling noise between seeds does not apply here).
 FIRST_STEP_FLIPS = 2.0
 FIRST_STEP_FLIP_FRACTION = 0.05
+DETECTABLE_MIN_COUNT = 10  # detectable_change reports count series from this many elements up
 
 
-@dataclass(frozen=True)
-class Space:
-    """How a metric is compared: y = transform(value), spread and bad direction in y."""
-
-    kind: str  # "log" | "log_count" | "log_one_minus" | "db"
-    bad: str  # "up" | "down": the direction of y that is a regression
-    min_spread: float  # smallest spread in y (a deterministic series has none of its own)
-    first_step_floor: float  # smallest first-point tolerance in y (rounding on other CPUs)
+# The compared metrics and their spaces, from the one metric table (docs/baselines.md: reasons).
+SPACES: dict[str, Space] = {name: m.space for name, m in COMPARED.items()}
 
 
-# The compared metrics and their spaces (one table; docs/baselines.md gives the reasons).
-SPACES: dict[str, Space] = {
-    "attention_norm": Space("log", "up", 1e-3, 1e-3),
-    "underflow": Space("log_count", "up", 0.0, 0.0),
-    "zeros_after": Space("log_count", "up", 0.0, 0.0),
-    "overflow": Space("log_count", "up", 0.0, 0.0),
-    "distortion": Space("log_one_minus", "up", 1e-2, 1e-2),
-    "sqnr_db": Space("db", "down", 0.05, 0.05),
-    "loss": Space("log", "up", 1e-3, 1e-3),
-    "nonfinite": Space("log_count", "up", 0.0, 0.0),
-}
+def bad_sign(metric: str) -> float:
+    """+1 where a rise of y = transform(value) is a regression, -1 where a fall is. ln(1 - cos)
+    rises as the cosine falls."""
+    sign = 1.0 if METRICS[metric].bad == "up" else -1.0
+    return -sign if SPACES[metric].kind == "log_one_minus" else sign
 
 
 class EnsembleError(ValueError):
@@ -185,6 +182,25 @@ def _numel(ds: xr.Dataset, da: xr.DataArray) -> np.ndarray | None:
     return numel.broadcast_like(da).transpose(*da.dims).values.astype(np.float64)
 
 
+def leave_one_out(ensemble: xr.Dataset) -> list[tuple[int, xr.Dataset, xr.Dataset]]:
+    """(seed, that member as a run, the other members as an ensemble) for every member: K free
+    held-out runs to measure false alarms with (calibrate), no training needed. Needs K >= 3."""
+    seeds = ensemble_seeds(ensemble)
+    if len(seeds) < 3:
+        raise EnsembleError(f"leaving one seed out of {len(seeds)} leaves no spread to judge by")
+    spec = json.loads(ensemble.attrs["spec"])
+    out = []
+    for seed in seeds:
+        rest = [s for s in seeds if s != seed]
+        others = ensemble.sel(seed=rest).assign_attrs(ensemble_seeds=json.dumps(rest))
+        member = ensemble.sel(seed=seed, drop=True).assign_attrs(spec=json.dumps({**spec, "seed": seed},
+                                                                                 sort_keys=True))
+        for name in ("ensemble_seeds", "first_step_tolerance"):
+            member.attrs.pop(name, None)
+        out.append((seed, member, others))
+    return out
+
+
 # --------------------------------------------------------------------------- judging
 
 
@@ -240,6 +256,19 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
                    transform(metric, e, numel), transform(metric, c, numel), c, e, pool)
 
 
+def _n_statistics(all_series: Sequence[_Series]) -> int:
+    """Statistics a case is judged by: one per series (its median over the trained points)."""
+    return sum(s.cur_y.shape[0] for s in all_series)
+
+
+def trained_threshold(n_series: int, rate: float = FALSE_ALARM_RATE) -> float:
+    """The band of a series' median z, in spreads. Bonferroni over the series of the case, and a
+    factor MEDIAN_MARKOV: the median of T points exceeds c only if at least half of them do, so
+    (Markov on their count) P(median > c) <= T / ceil(T/2) * P(z > c) <= 2 P(z > c), whatever the
+    correlation between the points of one trajectory."""
+    return z_threshold(MEDIAN_MARKOV * n_series, rate)
+
+
 def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str = "",
                      rate: float = FALSE_ALARM_RATE) -> list[Finding]:
     """Findings of one run against a seed ensemble (module docstring): "regression" for a change
@@ -250,15 +279,18 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     seed = json.loads(current.attrs.get("spec", "{}")).get("seed")
     member = seeds.index(seed) if seed in seeds else None
     tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
-    all_series = [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
-                  if (s := _series(metric, current, ensemble)) is not None]
-    n_stats = sum(s.cur_y.size + s.cur_y.shape[0] for s in all_series)
-    z_crit = z_threshold(n_stats, rate)
+    all_series = _all_series(current, ensemble)
+    z_crit = trained_threshold(_n_statistics(all_series), rate)
     findings: list[Finding] = []
     for s in all_series:
         findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
                                   len(seeds), regen_hint)
     return findings
+
+
+def _all_series(current: xr.Dataset, ensemble: xr.Dataset) -> list[_Series]:
+    return [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
+            if (s := _series(metric, current, ensemble)) is not None]
 
 
 def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
@@ -271,23 +303,28 @@ def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
         mean = np.nanmean(ens, axis=0)
         var = np.nanvar(ens, axis=0, ddof=1)
     var = np.where(finite.sum(axis=0) >= 2, var, np.nan)
+    floor = _floor_var(s.metric, mean)
+    # pooled: the mean over the pool's trained points of the seeds' own variance beyond the count
+    # noise, so that series counting a few elements (Poisson variance ~1/count in y) do not widen
+    # the band of well-counted ones. A mean, not a robust median: layers of one pool differ in
+    # spread (deep layers wander more), and a median pool false-alarms there (docs/baselines.md)
+    excess = np.fmax(var - floor, 0.0)
     pooled = np.zeros_like(var)
     for p in np.unique(s.pool):
         rows = s.pool == p
-        trained = var[rows][:, first_trained:]
+        trained = excess[rows][:, first_trained:]
         value = float(np.nanmean(trained)) if np.isfinite(trained).any() else 0.0
         pooled[rows] = value
-    total = np.fmax(var, pooled) + _floor_var(s.metric, mean)
+    total = np.fmax(var, pooled + floor)
     return mean, np.sqrt(total * (1.0 + 1.0 / k))
 
 
 def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: float, z_crit: float,
                   k: int, regen_hint: str) -> list[Finding]:
     space = SPACES[s.metric]
-    sign = 1.0 if space.bad == "up" else -1.0
+    sign = bad_sign(s.metric)
     first_trained = 1 if member is not None else 0
     mean, sd = spread(s, 1)
-    series_scores = _series_scores(s, first_trained, sign, sd)
     findings: list[Finding] = []
     for g, where in enumerate(s.groups):
         cur_y, cur_v = s.cur_y[g], s.cur_values[g]
@@ -314,21 +351,22 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
                     f"the baseline: the computation itself changed; if intended, regenerate"
                     + (f" with: {regen_hint}" if regen_hint else ""), member_seed=seed))
         z = sign * (cur_y - mean[g]) / sd[g]
-        z[:first_trained] = 0.0
-        z[~np.isfinite(z)] = 0.0
-        trained = slice(first_trained, None)
-        series_z = float(series_scores[g])
-        for kind, beyond in (("regression", lambda v: v > z_crit), ("drift", lambda v: v < -z_crit)):
-            points = np.flatnonzero(beyond(z))
-            if not (points.size or beyond(series_z)):
-                continue
-            pick = np.argmax if kind == "regression" else np.argmin
-            t = int(points[pick(z[points])]) if points.size else first_trained + int(pick(z[trained]))
-            worst = float(z[t]) if points.size else series_z
-            detail = (f"{worst:+.1f} spreads from the {k}-seed mean, band ±{z_crit:.1f}"
-                      f"; {points.size} of {len(s.times) - first_trained} points beyond"
-                      f"; mean over the trained points {series_z:+.1f} spreads")
-            findings.append(_finding(case, kind, s, where, t, g, worst, z_crit, detail))
+        points = np.flatnonzero(np.isfinite(z))
+        points = points[points >= first_trained]
+        if points.size == 0:
+            continue
+        # the median point: where the series sits for at least half of its trained points
+        order = points[np.argsort(z[points], kind="stable")]
+        t = int(order[(order.size - 1) // 2])
+        median_z = float(np.median(z[points]))
+        if abs(median_z) <= z_crit:
+            continue
+        kind = "regression" if median_z > 0 else "drift"
+        beyond = int(np.sum(np.abs(z[points]) > z_crit))
+        detail = (f"median over the {points.size} trained points {median_z:+.1f} spreads from the "
+                  f"{k}-seed mean (this point), band ±{z_crit:.1f}; {beyond} of {points.size} "
+                  f"points beyond")
+        findings.append(_finding(case, kind, s, where, t, g, median_z, z_crit, detail))
     return findings
 
 
@@ -336,32 +374,6 @@ def _count_floor(ref_y: float) -> float:
     """The first point's count floor in log-count space, around a reference ln(count + 1/2)."""
     count = math.exp(ref_y) - 0.5
     return math.log((count + 0.5 + FIRST_STEP_FLIPS + FIRST_STEP_FLIP_FRACTION * count) / (count + 0.5))
-
-
-def _series_scores(s: _Series, first_trained: int, sign: float, sd: np.ndarray) -> np.ndarray:
-    """Per group, z of the mean over the trained points. Its spread is the seeds' own spread of
-    that mean or, if larger, the same pooled over the layers of the metric's (tensor, layout);
-    floored by the per-point spread over the number of points (count noise)."""
-    ens, cur = s.ens_y[:, :, first_trained:], s.cur_y[:, first_trained:]
-    if cur.shape[1] == 0:
-        return np.zeros(cur.shape[0])
-    ok = np.isfinite(ens).all(axis=0) & np.isfinite(cur)  # (G, T)
-    count = ok.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        member_means = np.where(ok, ens, 0.0).sum(axis=2) / count  # (K, G)
-        cur_means = np.where(ok, cur, 0.0).sum(axis=1) / count
-        var = np.var(member_means, axis=0, ddof=1)
-        floor = np.where(ok, sd[:, first_trained:] ** 2, 0.0).sum(axis=1) / count**2
-    pooled = np.zeros_like(var)
-    for p in np.unique(s.pool):
-        rows = (s.pool == p) & np.isfinite(var)
-        pooled[s.pool == p] = var[rows].mean() if rows.any() else 0.0
-    k = ens.shape[0]
-    total = np.fmax(var, pooled) * (1.0 + 1.0 / k) + floor
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = sign * (cur_means - member_means.mean(axis=0)) / np.sqrt(total)
-    return np.where((count > 0) & np.isfinite(z), z, 0.0)
 
 
 def _y_change(space: Space, d: float, signed: bool = True) -> str:
@@ -400,10 +412,7 @@ def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
                                      if all(w.get(k) == v for k, v in where.items())), None)
     if g is None:
         return None
-    n_stats = sum(x.cur_y.size + x.cur_y.shape[0] for name in SPACES
-                  if name in current.data_vars and name in ensemble.data_vars
-                  if (x := _series(name, current, ensemble)) is not None)
-    z = z_threshold(n_stats)
+    z = trained_threshold(_n_statistics(_all_series(current, ensemble)))
     mean, sd = spread(s, 1)
     numel = _numel(current, current[metric])
     n = None if numel is None else numel.reshape(len(s.groups), -1)[g]
@@ -412,20 +421,27 @@ def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
 
 
 def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, str]:
-    """Per metric, the median over series of the smallest shift of the trained points' mean that
-    the comparison flags, and the first-point tolerance, as readable text."""
+    """Per metric, the median over series of the smallest shift of every trained point that
+    the comparison flags, and the first-point tolerance, as readable text. For counts, only the
+    series that count at least DETECTABLE_MIN_COUNT elements: below that, count noise alone
+    hides any factor (a series of zeros has no change to detect)."""
     tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
-    all_series = [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
-                  if (s := _series(metric, current, ensemble)) is not None]
-    z = z_threshold(sum(s.cur_y.size + s.cur_y.shape[0] for s in all_series))
+    all_series = _all_series(current, ensemble)
+    z = trained_threshold(_n_statistics(all_series))
     out = {}
     for s in all_series:
-        _, sd = spread(s, 1)
-        trained = sd[:, 1:] if sd.shape[1] > 1 else sd
-        typical = float(np.nanmedian(trained)) if np.isfinite(trained).any() else math.nan
+        mean, sd = spread(s, 1)
+        trained, counted = (sd[:, 1:], mean[:, 1:]) if sd.shape[1] > 1 else (sd, mean)
         space = SPACES[s.metric]
-        out[s.metric] = (f"trained points: {_y_change(space, z * typical, signed=False)} "
-                         f"({z:.1f} spreads); first point: "
+        where = ""
+        if space.kind == "log_count":
+            trained = np.where(counted >= math.log(DETECTABLE_MIN_COUNT + 0.5), trained, np.nan)
+            where = f" (series counting >= {DETECTABLE_MIN_COUNT} elements)"
+        if np.isfinite(trained).any():
+            text = f"{_y_change(space, z * float(np.nanmedian(trained)), signed=False)}{where}"
+        else:
+            text = f"no series counts {DETECTABLE_MIN_COUNT} elements"
+        out[s.metric] = (f"trained points: {text} ({z:.1f} spreads); first point: "
                          f"{_y_change(space, float(tol0.get(s.metric, 0.0)), signed=False)}"
                          + (f" + {FIRST_STEP_FLIPS:g} elements + {FIRST_STEP_FLIP_FRACTION:.0%} of the count"
                             if space.kind == "log_count" else ""))

@@ -43,6 +43,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
         yield handle
 
 
+def write_json(value: object, path: str | os.PathLike) -> Path:
+    """`value` as indented JSON at `path`, atomically."""
+    import json
+
+    with atomic_file(path) as handle:
+        handle.write((json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    return Path(path)
+
+
 def safe_filename(name: str) -> str:
     """A file-name-safe form of a case id (or any name); a hash keeps ids that differ only in
     symbols apart. Case ids (runs.case_id) are already safe and pass through unchanged."""

@@ -56,24 +56,15 @@ class QuantStats:
         scale_min, scale_max = self.scale_range.tolist()
         n = s["numel"]
         finite = n - s["nonfinite_in"]
-        if s["xx"] == 0.0 and s["yy"] == 0.0:
-            distortion = 1.0  # zero reproduced as zero
-        elif s["xx"] == 0.0 or s["yy"] == 0.0:
-            distortion = 0.0
+        if finite == 0:  # nothing measurable: not a perfect reconstruction
+            distortion = sqnr_db = math.nan
         else:
-            distortion = s["dot"] / math.sqrt(s["xx"] * s["yy"])
-        if s["err2"] == 0.0:
-            sqnr_db = math.inf
-        elif s["xx"] == 0.0:
-            sqnr_db = -math.inf
-        else:
-            sqnr_db = 10.0 * math.log10(s["xx"] / s["err2"])
+            distortion, sqnr_db = _distortion(s), _sqnr_db(s)
         return {
             "underflow": s["underflow"] / n,
             "zeros_after": s["zeros_after"] / n,
             "overflow": s["overflow"] / n,
-            # Cauchy-Schwarz bounds the exact value by 1; float64 rounding of the sums may not.
-            "distortion": min(distortion, 1.0),
+            "distortion": distortion,
             "sqnr_db": sqnr_db,
             "mse": s["err2"] / finite if finite else math.nan,
             "nonfinite_in": s["nonfinite_in"],
@@ -81,6 +72,23 @@ class QuantStats:
             "scale_min": scale_min,
             "scale_max": scale_max,
         }
+
+
+def _distortion(s: dict[str, float]) -> float:
+    if s["xx"] == 0.0 and s["yy"] == 0.0:
+        return 1.0  # zero reproduced as zero
+    if s["xx"] == 0.0 or s["yy"] == 0.0:
+        return 0.0
+    # Cauchy-Schwarz bounds the exact value by 1; float64 rounding of the sums may not.
+    return min(s["dot"] / math.sqrt(s["xx"] * s["yy"]), 1.0)
+
+
+def _sqnr_db(s: dict[str, float]) -> float:
+    if s["err2"] == 0.0:
+        return math.inf
+    if s["xx"] == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(s["xx"] / s["err2"])
 
 
 def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +116,7 @@ def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[to
     return sums, torch.stack([scales.min(), scales.max()])
 
 
-def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1, 128), pow2_scale: bool = False) -> QuantStats:
+def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> QuantStats:
     """Quantize `x` and reduce the result to additive sums (see module doc)."""
     x = check_tensor(x)
     if x.numel() == 0:
@@ -125,6 +133,6 @@ def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1
     return QuantStats(sums + correction, scale_range)
 
 
-def quant_error(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = (1, 128), pow2_scale: bool = False) -> dict[str, float]:
+def quant_error(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> dict[str, float]:
     """Quantization error metrics of `x` under `fmt` and `layout` (see module doc for each key)."""
     return quant_stats(x, fmt, layout, pow2_scale).metrics()

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from precision_suite.calibration import read_measured, statement_lines
+
 if TYPE_CHECKING:
     import xarray as xr
 
@@ -97,18 +99,25 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(PrecisionSummary(), PrecisionSummary.NAME)
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """Say which [tool.precision_suite] configuration applies, or that none was found."""
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say which [tool.precision_suite] configuration applies, or that none was found, and the
+    false-alarm rate calibrate measured on the baselines."""
     settings = config.stash[SETTINGS_KEY]
     if not settings.pyproject.is_file():
-        return (f"precision-suite: no {settings.pyproject} (rootdir {config.rootpath}): no project "
-                "rules or tolerance overrides apply")
+        lines = [f"no {settings.pyproject} (rootdir {config.rootpath}): no project rules or "
+                 "tolerance overrides apply"]
+    else:
+        try:
+            project = settings.project()
+            lines = [f"{len(project.rules)} rule(s), {len(project.tolerances)} tolerance override(s) "
+                     f"from {settings.pyproject}; baselines {settings.baseline_dir}"]
+        except (ValueError, RuntimeError) as err:
+            lines = [f"{settings.pyproject}: {err}"]
     try:
-        project = settings.project()
-    except (ValueError, RuntimeError) as err:
-        return f"precision-suite: {settings.pyproject}: {err}"
-    return (f"precision-suite: {len(project.rules)} rule(s), {len(project.tolerances)} tolerance "
-            f"override(s) from {settings.pyproject}; baselines {settings.baseline_dir}")
+        lines += statement_lines(read_measured(settings.baseline_dir))
+    except ValueError as err:
+        lines.append(str(err))
+    return [f"precision-suite: {line}" for line in lines]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -39,7 +39,6 @@ from precision_suite.metrics import QuantStats, quant_stats
 from precision_suite.quantization import quantize
 
 TENSOR_ROLES = ("activation", "gradient", "gradient_transpose", "weight")
-QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
 
 def transpose_layout(layout: Layout) -> Layout:
     return layout if layout == "tensor" else (layout[1], layout[0])

@@ -187,10 +187,11 @@ def check_tensor(x: object, name: str = "x") -> torch.Tensor:
 def quantize(
     x: torch.Tensor,
     fmt: str | Format = "e4m3",
-    layout: object = (1, 128),
+    layout: object = None,
     pow2_scale: bool = False,
 ) -> Quantized:
-    """Quantize-dequantize `x` with format `fmt` and scaling layout `layout`.
+    """Quantize-dequantize `x` with format `fmt` and scaling layout `layout` (None: the format's
+    own, `(1, 32)` for MXFP8, `(1, 16)` for NVFP4, `(1, 128)` for FP8 with amax scales).
 
     The arithmetic runs in float32 (float64 inputs are rounded to float32 first) and the result is
     cast back to `x.dtype`. An empty tensor returns an empty result with no scales.

@@ -29,6 +29,7 @@ from pathlib import Path
 import xarray as xr
 
 from precision_suite import __version__, charts as _charts
+from precision_suite.calibration import statement_lines
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
 
@@ -63,7 +64,8 @@ def new_report_dir(root: str | Path = "reports") -> Path:
 
 def write_report(verdicts: Sequence, out_dir: str | Path,
                  datasets: Mapping[str, xr.Dataset] | None = None,
-                 charts: str = "failing", known: Mapping[str, str] | None = None) -> Path:
+                 charts: str = "failing", known: Mapping[str, str] | None = None,
+                 sensitivity: Mapping | None = None) -> Path:
     """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
@@ -71,6 +73,9 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     which also adds one attention-norm overview per model and recipe across variants). Chart files
     named by the verdicts (drift charts) are copied into the folder so that it stands alone.
     `known` maps a case to the reason its failure is a known violation (shown beside it).
+    `sensitivity` states how trustworthy the comparison is: `design_false_alarm_rate`, `measured`
+    (what `precision-suite calibrate` counted on these baselines, or None) and
+    `detectable_change` ({case: {metric: text}}).
     """
     if charts not in CHART_CHOICES:
         raise ValueError(f"write_report: charts={charts!r}; use one of {', '.join(CHART_CHOICES)}")
@@ -93,6 +98,7 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(entries, overview, known)
+    summary["sensitivity"] = _jsonable(dict(sensitivity)) if sensitivity else None
     _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     _write_text(out / "summary.md", _markdown(summary, out))
     _write_text(out / "index.html", _html(summary, out))
@@ -226,8 +232,15 @@ def _markdown(summary: dict, out: Path) -> str:
         if len(case["findings"]) > len(shown):
             lines.append(f"- ... and {len(case['findings']) - len(shown)} more (see summary.json)")
         lines += [f"- chart: `{out / path}`" for path in case["charts"]]
+    lines += ["", *(f"{line}  " for line in _sensitivity_lines(summary.get("sensitivity")))]
     lines += ["", f"Full report: `{out / 'index.html'}` (self-contained; open it in a browser)", ""]
     return "\n".join(lines)
+
+
+def _sensitivity_lines(sensitivity: Mapping | None) -> list[str]:
+    if not sensitivity:
+        return []
+    return statement_lines(sensitivity.get("measured"), sensitivity["design_false_alarm_rate"])
 
 
 # --------------------------------------------------------------------------- HTML
@@ -238,25 +251,52 @@ table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding
 text-align:left;vertical-align:top}th{background:#f3f3f3}.fail{color:#b00020}.error{color:#b36b00}
 .drift{color:#a05a00}.pass{color:#1b7a2e}figure{margin:1em 0}img{max-width:100%;border:1px solid #ddd}
 figcaption{font-size:.85em;color:#555}code{background:#f6f6f6;padding:0 .2em}
+.badge{display:inline-block;min-width:4.5em;padding:.05em .5em;border-radius:.3em;color:#fff;
+font-weight:600;text-align:center;font-size:.9em}.badge.fail{background:#b00020}
+.badge.error{background:#b36b00}.badge.known{background:#3a5fa8}.badge.drift{background:#a05a00}
+.badge.pass{background:#1b7a2e}details{margin:.5em 0}
 """
+STATUS_WORD = {"fail": "FAIL", "error": "ERROR", "known": "KNOWN", "drift": "DRIFT", "pass": "PASS"}
+MAX_WORST_FINDINGS = 5  # listed under a case's charts; the full table is folded below them
 _MIME = {".png": "image/png", ".svg": "image/svg+xml"}
 
 
-def _figure_html(out: Path, rel: str) -> str:
+def _figure_html(out: Path, rel: str, anchor: str = "") -> str:
     path = out / rel
     mime = _MIME.get(path.suffix.lower())
+    ident = f' id="{html.escape(anchor)}"' if anchor else ""
     if mime is None:
-        return f'<p><a href="{html.escape(rel)}">{html.escape(rel)}</a></p>'
+        return f'<p{ident}><a href="{html.escape(rel)}">{html.escape(rel)}</a></p>'
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return (f'<figure><img src="data:{mime};base64,{data}" alt="{html.escape(rel)}" '
+    return (f'<figure{ident}><img src="data:{mime};base64,{data}" alt="{html.escape(rel)}" '
             f'data-chart="{html.escape(rel)}"><figcaption>{html.escape(rel)}</figcaption></figure>')
+
+
+def _number(value: object) -> str:
+    """4 significant digits for floats (a report is read, not parsed: summary.json keeps all)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _badge(status: str) -> str:
+    return f'<span class="badge {html.escape(status)}">{STATUS_WORD[status]}</span>'
+
+
+def _worst(findings: Sequence[dict]) -> list[dict]:
+    """Findings that block first, then the largest distance from the band (`score`)."""
+    def key(f: dict) -> tuple:
+        score = f.get("score")
+        size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
+        return (f.get("kind") not in ("regression", "error", "threshold"), -size)
+    return sorted(findings, key=key)[:MAX_WORST_FINDINGS]
 
 
 def _findings_table(findings: Sequence[dict]) -> str:
     if not findings:
         return "<p>No findings.</p>"
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+        "<tr>" + "".join(f"<td>{html.escape(_number(v))}</td>" for v in (
             f.get("kind"), f.get("metric"),
             ", ".join(f"{k}={v}" for k, v in (f.get("where") or {}).items()),
             f.get("value"), f.get("reference"), f.get("tolerance"), f.get("message"))) + "</tr>"
@@ -265,33 +305,57 @@ def _findings_table(findings: Sequence[dict]) -> str:
             f"<th>reference</th><th>tolerance</th><th>message</th></tr>{rows}</table>")
 
 
+def _case_html(out: Path, i: int, case: dict) -> str:
+    """A case: its charts first, then its worst findings (each linking to the chart), then the
+    full table folded."""
+    esc = html.escape
+    anchors = [f"case-{i}-chart-{j}" for j in range(len(case["charts"]))]
+    charts = "".join(_figure_html(out, rel, anchor) for rel, anchor in zip(case["charts"], anchors))
+    link = f' (<a href="#{anchors[0]}">chart</a>)' if anchors else ""
+    worst = "".join(f"<li>{esc(f.get('message', ''))}{link}</li>" for f in _worst(case["findings"]))
+    missing = "".join(f'<p class="error">chart not found: <code>{esc(p)}</code></p>'
+                      for p in case["missing_charts"])
+    findings = ""
+    if case["findings"]:
+        findings = (f"<h3>Worst findings</h3><ul>{worst}</ul>"
+                    f"<details><summary>All {len(case['findings'])} findings</summary>"
+                    f"{_findings_table(case['findings'])}</details>")
+    known = (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
+             if case["known_violation"] else "")
+    return (f'<section id="case-{i}"><h2 class="{esc(case["status"])}">{_badge(case["status"])} '
+            f'{esc(case["case"])}</h2>{known}{charts}{missing}{findings or "<p>No findings.</p>"}'
+            "</section>")
+
+
 def _html(summary: dict, out: Path) -> str:
     esc = html.escape
     overview_rows = "".join(
-        f'<tr><td class="{esc(c["status"])}">{esc(STATUS_BADGE[c["status"]])}</td>'
+        f'<tr><td>{_badge(c["status"])}</td>'
         f'<td><a href="#case-{i}">{esc(c["case"])}</a></td><td>{len(c["findings"])}</td></tr>'
         for i, c in enumerate(summary["cases"]))
-    sections = []
-    for i, case in enumerate(summary["cases"]):
-        missing = "".join(f"<p class=\"error\">chart not found: <code>{esc(p)}</code></p>"
-                          for p in case["missing_charts"])
-        sections.append(
-            f'<section id="case-{i}"><h2 class="{esc(case["status"])}">'
-            f'{esc(STATUS_BADGE[case["status"]])} {esc(case["case"])}</h2>'
-            + (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
-               if case["known_violation"] else "")
-            + f'{_findings_table(case["findings"])}{missing}'
-            + "".join(_figure_html(out, rel) for rel in case["charts"]) + "</section>")
+    sections = [_case_html(out, i, case) for i, case in enumerate(summary["cases"])]
     overview = "".join(_figure_html(out, rel) for rel in summary["overview_charts"])
     overview_section = f"<section><h2>Attention norm overview</h2>{overview}</section>" if overview else ""
+    sensitivity = summary.get("sensitivity") or {}
+    detectable = "".join(
+        f"<tr><td>{esc(case)}</td><td>{esc(metric)}</td><td>{esc(text)}</td></tr>"
+        for case, changes in (sensitivity.get("detectable_change") or {}).items()
+        for metric, text in changes.items())
+    sensitivity_section = (
+        "<section><h2>Sensitivity of the comparison</h2>"
+        + "".join(f"<p>{esc(line)}</p>" for line in _sensitivity_lines(sensitivity))
+        + (f"<details><summary>Smallest change detected, per case and metric</summary><table>"
+           f"<tr><th>case</th><th>metric</th><th>smallest detected change</th></tr>{detectable}"
+           f"</table></details>" if detectable else "")
+        + "</section>") if sensitivity else ""
     headline = esc(_headline(summary))
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{headline}</title><style>{_CSS}</style></head><body>"
-            f"<h1 class=\"{esc(summary['overall'])}\">{headline}</h1>"
+            f"<h1 class=\"{esc(summary['overall'])}\">{_badge(summary['overall'])} {headline}</h1>"
             f"<p>Created {esc(summary['created'])} by precision-suite {esc(summary['package_version'])}. "
             f"Machine-readable: <code>summary.json</code>.</p>"
             f"<table><tr><th>status</th><th>case</th><th>findings</th></tr>{overview_rows}</table>"
-            f"{''.join(sections)}{overview_section}</body></html>\n")
+            f"{''.join(sections)}{overview_section}{sensitivity_section}</body></html>\n")
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -27,8 +27,8 @@ from precision_suite.files import SCHEMA_VERSION
 from precision_suite.attention import get_attention
 from precision_suite.data import digits_batch, text_batch
 from precision_suite.models import ModelConfig, block_linears, build_model, model_config
+from precision_suite.metric_table import METRICS, QUANT_METRICS
 from precision_suite.probes import (
-    QUANT_METRICS,
     SCHEME_EXAMPLES,
     TENSOR_ROLES,
     LayerRecord,
@@ -309,16 +309,13 @@ def _dataset(
                 nonfinite[i, layer, TENSOR_ROLES.index(role)] = count
     where = ("step", "layer", "tensor", "layout")
     data_vars = {
-        "attention_norm": (
-            ("step", "layer"),
-            attention_norm,
-            {"description": "Frobenius norm of each head's N x N attention matrix phi(S), mean over heads and batch"},
-        ),
-        **{name: (where, values, {"description": _METRIC_DESCRIPTIONS[name]}) for name, values in quant.items()},
-        "nonfinite": (("step", "layer", "tensor"), nonfinite, {"description": "NaN/Inf elements seen by the probes"}),
-        "numel": (("layer", "tensor"), numel, {"description": "elements pooled into each layer's fractions per step"}),
-        "loss": (("train_step",), losses, {"description": "training cross-entropy"}),
-        "accuracy": (("train_step",), accuracies, {"description": "training top-1 accuracy (next byte for the GPT)"}),
+        "attention_norm": (("step", "layer"), attention_norm, METRICS["attention_norm"].attrs()),
+        **{name: (where, values, METRICS[name].attrs()) for name, values in quant.items()},
+        "nonfinite": (("step", "layer", "tensor"), nonfinite, METRICS["nonfinite"].attrs()),
+        "numel": (("layer", "tensor"), numel, {"long_name": "elements counted", "units": "1",
+                                               "description": "elements pooled into each layer's fractions per step"}),
+        "loss": (("train_step",), losses, METRICS["loss"].attrs()),
+        "accuracy": (("train_step",), accuracies, METRICS["accuracy"].attrs()),
     }
     coords = {
         "step": steps,
@@ -339,13 +336,3 @@ def _dataset(
         "d_head": config.width // config.heads,
     }
     return xr.Dataset(data_vars, coords=coords, attrs=attrs)
-
-
-_METRIC_DESCRIPTIONS = {
-    "underflow": "fraction of elements non-zero before and zero after quantization (Transformer Engine underflows%)",
-    "zeros_after": "fraction of elements zero after quantization (the Ling 2.0 paper's count)",
-    "overflow": "fraction of elements saturated at the format maximum or non-finite after quantization",
-    "distortion": "cosine similarity of the tensor and its quantize-dequantize reconstruction",
-    "sqnr_db": "20 log10(||x|| / ||x - x_hat||), dB",
-    "mse": "mean squared error of the reconstruction",
-}

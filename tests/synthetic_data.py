@@ -14,10 +14,10 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
+from precision_suite.metric_table import QUANT_METRICS
 
 TENSORS = ("activation", "gradient", "gradient_transpose", "weight")
 LAYOUTS = ("1x128", "128x1", "128x128")
-QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
 
 # which (tensor, layout) pairs a run measures; every other pair is NaN, as the schema says
 MEASURED = {("activation", "1x128"), ("gradient", "1x128"), ("gradient_transpose", "128x1"),

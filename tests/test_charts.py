@@ -9,6 +9,7 @@ from matplotlib.collections import PathCollection, PolyCollection
 from precision_suite import charts
 from precision_suite.baselines import compare, tolerance_band
 from precision_suite.checks import Finding, check_rules
+from precision_suite.metric_table import METRICS
 from synthetic_data import make_run_dataset
 
 
@@ -82,7 +83,7 @@ def test_quant_error_is_a_2x3_grid_over_tokens_with_every_4th_layer():
     metrics = ["underflow"] * 3 + ["distortion"] * 3
     for ax, (tensor, layout), metric in zip(axes, pairs, metrics):
         assert ax.get_xlabel() == "tokens seen"
-        assert ax.get_ylabel() == charts.METRIC_UNITS[metric]
+        assert ax.get_ylabel() == METRICS[metric].axis_label
         lines = ax.get_lines()
         assert [line.get_label() for line in lines] == [f"layer {n}" for n in (0, 4, 8, 12, 16)]
         for line, layer in zip(lines, (0, 4, 8, 12, 16)):

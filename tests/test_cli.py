@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import __version__, cli, files, matrix, runs
+from precision_suite import __version__, calibration, cli, execution, files, matrix, runs
 from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
@@ -61,6 +61,7 @@ def fake_training(monkeypatch):
         return _synthetic(spec, planted=case_id(spec) in planted)
 
     monkeypatch.setattr(runs, "run", fake_run)
+    monkeypatch.setattr(execution, "default_workers", lambda: 1)  # spawned workers would train for real
     return planted, trained
 
 
@@ -271,3 +272,60 @@ def test_real_training_end_to_end(workdir, capsys):
     assert [(c["case"], c["status"]) for c in summary["cases"]] == [("vit-x3-sqrtN-fp8-block", "pass")]
     assert np.isfinite(files.load_dataset(workdir / "baselines" / "vit-x3-sqrtN-fp8-block.nc")
                        ["attention_norm"].values).all()
+
+
+def test_calibrate_measures_false_alarms_and_every_later_report_states_them(workdir, fake_training, capsys):
+    assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "before"]) == 0
+    assert "Not measured on these baselines yet" in (workdir / "before" / "summary.md").read_text()
+
+    assert cli.main(["calibrate", "--workers", "1", "--config", "cases.toml", "--report-dir", "cal",
+                     "--held-out-seeds", "100", "101"]) == 0
+    out = capsys.readouterr().out
+    # 2 cases x (2 rounding perturbations + 2 held-out seeds) trained, 2 x 4 members left out
+    assert "16 perturbed runs (8 trained, 8 members left out of their ensemble), 0 with a FAIL" in out
+    measured = json.loads(calibration.measured_path(workdir / "baselines").read_text())
+    assert (measured["runs"], measured["runs_with_alarms"]) == (16, 0)
+    assert "seed 3 left out" in measured["perturbations"]
+
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "after"]) == 0
+    summary = _summary(workdir / "after")
+    assert summary["sensitivity"]["measured"] == measured
+    assert set(summary["sensitivity"]["detectable_change"]) == {"vit-softmax-fp32", "vit-x-1-fp32"}
+    assert "0 of 16 perturbed runs with a false alarm" in (workdir / "after" / "summary.md").read_text()
+    assert "Sensitivity of the comparison" in (workdir / "after" / "index.html").read_text()
+
+
+def test_shards_split_the_matrix_and_one_report_merges_them(workdir, fake_training, capsys):
+    _, trained = fake_training
+    every = [case_id(s) for s in matrix.default_matrix()]
+    assert cli.main(["baseline", "update", "--shard", "2/3"]) == 0  # shards regenerate apart too
+    assert cli.main(["baseline", "update", "--shard", "1/3"]) == 0
+    assert cli.main(["baseline", "update", "--shard", "3/3"]) == 0
+    shards = []
+    for index in (1, 2, 3):
+        trained.clear()
+        assert cli.main(["run", "--shard", f"{index}/3", "--save-results", f"shard{index}",
+                         "--report-dir", f"report{index}"]) == 0
+        shards.append([case_id(s) for s in trained])
+    assert sorted(sum(shards, [])) == sorted(every)  # every case in exactly one shard
+    assert all(shards) and shards[0] == every[0::3]  # deterministic: dealt in matrix order
+    capsys.readouterr()
+
+    assert cli.main(["report", "shard1", "shard2", "shard3", "--report-dir", "merged",
+                     "--charts", "failing"]) == 0
+    assert {c["case"] for c in _summary(workdir / "merged")["cases"]} == set(every)
+    assert cli.main(["report", "shard1", "shard1"]) == 2
+    assert "both hold case" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--shard", "3/2"], "the shard number I must be between 1 and N=2"),
+    (["run", "--shard", "two"], "'two' is not a shard: write I/N"),
+    (["run", "--shard", "1/11"], "the selection has only 10 case(s); use at most 10 shards"),
+    (["run", "--workers", "0"], "'0' is not a positive number of worker processes"),
+    (["baseline", "update", "--workers", "0"], "'0' is not a positive number of worker processes"),
+])
+def test_bad_shards_and_workers_are_usage_errors(workdir, capsys, argv, message):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -112,6 +112,21 @@ def test_nan_and_inf_are_counted_not_crashed_on():
     assert m["distortion"] == pytest.approx(clean["distortion"], rel=1e-12)
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_a_tensor_with_no_finite_element_scores_nan_not_perfect(fill):
+    m = quant_error(torch.full((4, 128), fill), "e4m3", (1, 128))
+    assert m["nonfinite_in"] == 4 * 128
+    assert math.isnan(m["distortion"]) and math.isnan(m["sqnr_db"]) and math.isnan(m["mse"])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "mxfp8", "nvfp4"])
+def test_the_default_layout_is_the_formats_own(fmt):
+    x = torch.randn(64, 256)
+    own = {"e4m3": (1, 128), "mxfp8": (1, 32), "nvfp4": (1, 16)}[fmt]
+    assert quant_error(x, fmt) == quant_error(x, fmt, own)
+    assert torch.equal(quantize(x, fmt).dequantized, quantize(x, fmt, own).dequantized)
+
+
 def test_exact_reconstruction_has_infinite_sqnr_and_unit_distortion():
     x = torch.tensor([[1.0, -2.0, 0.5, 448.0]])
     m = quant_error(x, "e4m3", "tensor")

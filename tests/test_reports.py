@@ -27,12 +27,17 @@ class _Images(HTMLParser):
     def handle_starttag(self, tag, attrs):
         if tag == "img":
             self.images.append(dict(attrs))
-        self._in_heading = tag == "h2"
+        if tag == "h2":
+            self._in_heading = True
+            self.headings.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "h2":
+            self._in_heading = False
 
     def handle_data(self, data):
         if self._in_heading:
-            self.headings.append(data)
-            self._in_heading = False
+            self.headings[-1] += data
 
 
 def _parse(path: Path) -> _Images:
@@ -89,7 +94,14 @@ def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
     assert charted == failed["charts"]
     for img in page.images:
         assert img["src"].startswith("data:image/png;base64,")  # opens from disk, self-contained
-    assert any(failing.case in heading for heading in page.headings)
+    assert f"FAIL {failing.case}" in page.headings  # status as a word, not only an emoji
+    text = (out / "index.html").read_text(encoding="utf-8")
+    section = text[text.index(f"{failing.case}</h2>"):]
+    # the chart first, then the worst findings (linking to it), then the full table folded
+    assert section.index("<img") < section.index("Worst findings") < section.index("<details>")
+    assert f'href="#{section.split("<figure id=")[1].split(chr(34))[1]}"' in section
+    value = next(f.value for f in failing.findings if len(repr(f.value)) > 8)  # many digits
+    assert f"<td>{value:.4g}</td>" in section and f"<td>{value!r}</td>" not in section
 
     markdown = (out / "summary.md").read_text(encoding="utf-8")
     assert markdown.startswith("## precision-suite: FAIL (1 failing, 1 passing)")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from precision_suite import cli, models, quantization
+from precision_suite.ensemble import ENSEMBLE_SEEDS
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
 CONFIG = """
@@ -79,8 +80,10 @@ def project(tmp_path_factory):
 
 
 def _run(project, report: str) -> tuple[int, dict]:
-    status = cli.main(["run", "--config", str(project / "cases.toml"), "--baseline-dir", str(project / "baselines"),
-                       "--report-dir", str(project / report), "--rules", str(PYPROJECT)])
+    # one worker: the plants patch this process
+    status = cli.main(["run", "--workers", "1", "--config", str(project / "cases.toml"),
+                       "--baseline-dir", str(project / "baselines"), "--report-dir", str(project / report),
+                       "--rules", str(PYPROJECT)])
     return status, json.loads((project / report / "summary.json").read_text())
 
 
@@ -129,3 +132,23 @@ def test_score_plant_reaches_the_model(monkeypatch):
     clean = attention(x)
     monkeypatch.setattr(models, "attention_scores", lambda q, k: q @ k.transpose(-2, -1))
     assert not torch.allclose(attention(x), clean)
+
+
+@pytest.mark.slow
+def test_calibrate_counts_no_false_alarm_on_unchanged_code(project):
+    """The calibration a team runs on its CI runners: rounding perturbations, held-out seeds and
+    every baseline seed left out of its ensemble; unchanged code raises no alarm."""
+    report = project / "calibration"
+    status = cli.main(["calibrate", "--workers", "1", "--config", str(project / "cases.toml"),
+                       "--baseline-dir", str(project / "baselines"), "--report-dir", str(report),
+                       "--rules", str(PYPROJECT), "--held-out-seeds", "100"])
+    table = json.loads((report / "calibration.json").read_text())
+    assert status == 0, [row for row in table["runs"] if row["status"] != "pass"]
+    labels = {(row["case"], row["perturbation"]) for row in table["runs"]}
+    for case in ("vit-x-1-fp32", "gpt-softmax-fp8-block"):
+        case = next(c for c, _ in labels if c.startswith(case))
+        assert {p for c, p in labels if c == case} == {
+            "threads=2", "PRECISION_SUITE_COMPILE=0", "seed 100",
+            *(f"seed {s} left out" for s in ENSEMBLE_SEEDS)}
+    assert all(sum(row["false_alarms"].values()) == 0 for row in table["runs"])
+    assert set(table["detectable_change"]) == {c for c, _ in labels}

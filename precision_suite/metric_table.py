@@ -1,0 +1,90 @@
+"""The one table of metrics: every recorded metric is declared here, once.
+
+A declaration says what the metric is (CF-style `long_name`, `units`, `valid_range`, written
+into the dataset's variable attributes), which direction is bad, and how the calibrated
+comparison treats it (`Space`: the transform into the space where seeds spread evenly, and the
+smallest spreads). Datasets (runs.py), the ensemble comparison (ensemble.py), the single-run
+tolerances (baselines.py) and charts (charts.py) read it; definitions follow ../shared/SCIENCE.md.
+Like Transformer Engine's debug-stats table: adding a metric is one row here, plus its computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Space:
+    """How a metric is compared against a seed ensemble: y = transform(value) (ensemble.transform).
+
+    kind: "log" (ln value: norms, losses), "log_count" (ln(count + 1/2): fractions of counted
+      elements, Poisson-like noise 1/sqrt(count)), "log_one_minus" (ln(1 - value): the relative
+      error energy of a cosine similarity), "db" (the value, already logarithmic).
+    min_spread: the smallest spread in y (a deterministic series has none of its own).
+    first_step_floor: the smallest first-point tolerance in y (rounding on other CPUs).
+    """
+
+    kind: str
+    min_spread: float
+    first_step_floor: float
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One recorded metric. `bad` is the direction that is a regression ("up", "down"), None
+    for metrics that are recorded but never compared (mse scales with the tensor and duplicates
+    sqnr_db; batch accuracy moves in steps of 1/batch and duplicates loss)."""
+
+    name: str
+    long_name: str
+    units: str  # CF units: "1" for a dimensionless quantity or fraction
+    axis_label: str  # y-axis label of charts
+    valid_range: tuple[float, float] | None
+    bad: str | None
+    space: Space | None
+    description: str
+
+    def attrs(self) -> dict[str, object]:
+        """CF-style attributes of the dataset variable holding this metric."""
+        out: dict[str, object] = {"long_name": self.long_name, "units": self.units,
+                                  "description": self.description}
+        if self.valid_range is not None:
+            out["valid_min"], out["valid_max"] = self.valid_range
+        return out
+
+
+_FRACTION = (0.0, 1.0)
+
+METRICS: dict[str, Metric] = {m.name: m for m in (
+    Metric("attention_norm", "attention matrix Frobenius norm", "1",
+           "Frobenius norm of φ(S), mean over heads", (0.0, float("inf")), "up",
+           Space("log", 1e-3, 1e-3),
+           "Frobenius norm of each head's N x N attention matrix phi(S), mean over heads and batch"),
+    Metric("underflow", "underflow fraction", "1", "fraction of elements (non-zero → zero)",
+           _FRACTION, "up", Space("log_count", 0.0, 0.0),
+           "fraction of elements non-zero before and zero after quantization (Transformer Engine underflows%)"),
+    Metric("zeros_after", "zero fraction after quantization", "1", "fraction of elements zero after",
+           _FRACTION, "up", Space("log_count", 0.0, 0.0),
+           "fraction of elements zero after quantization (the Ling 2.0 paper's count)"),
+    Metric("overflow", "overflow fraction", "1", "fraction of elements saturated",
+           _FRACTION, "up", Space("log_count", 0.0, 0.0),
+           "fraction of elements saturated at the format maximum or non-finite after quantization"),
+    Metric("distortion", "quantization distortion (cosine similarity)", "1", "cosine similarity",
+           (-1.0, 1.0), "down", Space("log_one_minus", 1e-2, 1e-2),
+           "cosine similarity of the tensor and its quantize-dequantize reconstruction"),
+    Metric("sqnr_db", "signal to quantization noise ratio", "dB", "SQNR (dB)", None, "down",
+           Space("db", 0.05, 0.05), "20 log10(||x|| / ||x - x_hat||), dB"),
+    Metric("mse", "quantization mean squared error", "1", "mean squared error", (0.0, float("inf")),
+           None, None, "mean squared error of the reconstruction"),
+    Metric("nonfinite", "non-finite element count", "1", "NaN/Inf count", (0.0, float("inf")), "up",
+           Space("log_count", 0.0, 0.0), "NaN/Inf elements seen by the probes"),
+    Metric("loss", "training cross-entropy", "nats", "cross-entropy (nats)", (0.0, float("inf")), "up",
+           Space("log", 1e-3, 1e-3), "training cross-entropy"),
+    Metric("accuracy", "training top-1 accuracy", "1", "fraction correct", _FRACTION, None, None,
+           "training top-1 accuracy (next byte for the GPT)"),
+)}
+
+# metrics of one quantized tensor, in the order probes record them
+QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
+# compared against a seed ensemble, each in its own space
+COMPARED = {name: m for name, m in METRICS.items() if m.space is not None}
