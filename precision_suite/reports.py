@@ -39,6 +39,9 @@ STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 know
 CHART_CHOICES = ("failing", "all")
 SUMMARY_SCHEMA_VERSION = 1
 MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
+MAX_MARKDOWN_BYTES = 1024 * 1024  # GitHub's job-summary limit: summary.md must fit
+MAX_WORST_FINDINGS = 5  # listed under a case's charts; the full table is folded below them
+STATUS_WORD = {"fail": "FAIL", "error": "ERROR", "known": "KNOWN", "drift": "DRIFT", "pass": "PASS"}
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,8 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
-    for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`,
-    which also adds one attention-norm overview per model and recipe across variants). Chart files
+    for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`),
+    and always one attention-norm overview per model and recipe across variants. Chart files
     named by the verdicts (drift charts) are copied into the folder so that it stands alone.
     `known` maps a case to the reason its failure is a known violation (shown beside it).
     `sensitivity` states how trustworthy the comparison is: `design_false_alarm_rate`, `measured`
@@ -94,7 +97,7 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
         if dataset is not None and (charts == "all" or verdict.status != "pass"):
             adopted += _draw_case_charts(out, verdict.case, dataset)
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
-    overview = _draw_overviews(out, datasets) if charts == "all" else []
+    overview = _draw_overviews(out, datasets)  # figure A across variants: always, it is the picture
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(entries, overview, known)
@@ -214,10 +217,11 @@ def _markdown(summary: dict, out: Path) -> str:
     def cell(text: object) -> str:
         return str(text).replace("|", "\\|").replace("\n", " ")
 
-    lines = [f"## {_headline(summary)}", "", "| status | case | findings | first finding |",
+    lines = [f"## {_headline(summary)}", "", "| status | case | findings | worst finding |",
              "|---|---|---|---|"]
     for case in summary["cases"]:
-        first = case["findings"][0]["message"] if case["findings"] else ""
+        worst = _worst(case["findings"])
+        first = worst[0]["message"] if worst else ""
         badge = STATUS_BADGE[case["status"]] + (" (known)" if case["known_violation"] else "")
         lines.append(f"| {badge} | `{cell(case['case'])}` | "
                      f"{len(case['findings'])} | {cell(first)} |")
@@ -227,14 +231,21 @@ def _markdown(summary: dict, out: Path) -> str:
         lines += ["", f"### {STATUS_BADGE[case['status']]} `{case['case']}`", ""]
         if case["known_violation"]:
             lines.append(f"- known violation, not failing the run: {case['known_violation']}")
-        shown = case["findings"][:MAX_FINDINGS_IN_MARKDOWN]
+        shown = _worst(case["findings"], MAX_FINDINGS_IN_MARKDOWN)
         lines += [f"- {f['message']}" for f in shown]
         if len(case["findings"]) > len(shown):
             lines.append(f"- ... and {len(case['findings']) - len(shown)} more (see summary.json)")
         lines += [f"- chart: `{out / path}`" for path in case["charts"]]
     lines += ["", *(f"{line}  " for line in _sensitivity_lines(summary.get("sensitivity")))]
-    lines += ["", f"Full report: `{out / 'index.html'}` (self-contained; open it in a browser)", ""]
-    return "\n".join(lines)
+    tail = ["", f"Full report: `{out / 'index.html'}` (self-contained; open it in a browser)", ""]
+    text = "\n".join(lines + tail)
+    if len(text.encode("utf-8")) <= MAX_MARKDOWN_BYTES:
+        return text
+    # the headline and table first; the per-case details are cut to fit a CI job summary
+    cut = "\n\n(cut to fit a CI job summary of 1 MiB: every finding is in summary.json)\n"
+    budget = MAX_MARKDOWN_BYTES - len(("\n".join(tail) + cut).encode("utf-8"))
+    kept = text.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
+    return kept[:kept.rfind("\n")] + cut + "\n".join(tail)
 
 
 def _sensitivity_lines(sensitivity: Mapping | None) -> list[str]:
@@ -256,8 +267,7 @@ font-weight:600;text-align:center;font-size:.9em}.badge.fail{background:#b00020}
 .badge.error{background:#b36b00}.badge.known{background:#3a5fa8}.badge.drift{background:#a05a00}
 .badge.pass{background:#1b7a2e}details{margin:.5em 0}
 """
-STATUS_WORD = {"fail": "FAIL", "error": "ERROR", "known": "KNOWN", "drift": "DRIFT", "pass": "PASS"}
-MAX_WORST_FINDINGS = 5  # listed under a case's charts; the full table is folded below them
+
 _MIME = {".png": "image/png", ".svg": "image/svg+xml"}
 
 
@@ -283,13 +293,13 @@ def _badge(status: str) -> str:
     return f'<span class="badge {html.escape(status)}">{STATUS_WORD[status]}</span>'
 
 
-def _worst(findings: Sequence[dict]) -> list[dict]:
+def _worst(findings: Sequence[dict], limit: int = MAX_WORST_FINDINGS) -> list[dict]:
     """Findings that block first, then the largest distance from the band (`score`)."""
     def key(f: dict) -> tuple:
         score = f.get("score")
         size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
         return (f.get("kind") not in ("regression", "error", "threshold"), -size)
-    return sorted(findings, key=key)[:MAX_WORST_FINDINGS]
+    return sorted(findings, key=key)[:limit]
 
 
 def _findings_table(findings: Sequence[dict]) -> str:

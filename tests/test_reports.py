@@ -172,3 +172,19 @@ def test_bad_arguments_are_named(tmp_path):
         reports.write_report([], tmp_path, charts="some")
     with pytest.raises(ValueError, match="unknown verdict status"):
         reports.write_report([CaseVerdict("c", "maybe")], tmp_path)
+
+
+def test_summary_md_fits_a_ci_job_summary_with_the_worst_finding_per_case(tmp_path, monkeypatch):
+    monkeypatch.setattr(reports, "MAX_MARKDOWN_BYTES", 4000)  # the real limit, 1 MiB, scaled down
+    mild = Finding("big-case", "drift", "loss", {"step": 1}, 1.0, 1.1, 0.1, "mild drift", score=-5.5)
+    worst = Finding("big-case", "regression", "underflow", {"step": 2}, 0.3, 0.01, 5.0,
+                    "underflow regressed far", score=40.0)
+    many = [Finding("big-case", "drift", "loss", {"step": i}, 1.0, 1.1, 0.1, "x" * 600, score=-6.0)
+            for i in range(40)]
+    out = reports.write_report([verdict("big-case", [mild, *many, worst])], tmp_path)
+    text = (out / "summary.md").read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) <= 4000
+    assert text.startswith("## precision-suite: FAIL")
+    table_row = next(line for line in text.splitlines() if line.startswith("| ❌"))
+    assert "underflow regressed far" in table_row  # the worst finding, not the first
+    assert "cut to fit a CI job summary" in text and "Full report:" in text
