@@ -271,15 +271,8 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
     n_tasks = sum(len(baselines.ensemble_tasks(spec)) for spec in specs)
     print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and their first-step rounding "
           f"perturbations) on {workers} worker(s)", file=sys.stderr, flush=True)
-    finished = [0]
-
-    def done(_index: int, task: Any, seconds: float) -> None:
-        finished[0] += 1
-        print(f"[{finished[0]}/{n_tasks}] {runs.case_id(task.spec)} {task.label} "
-              f"({seconds:.0f} s so far)", file=sys.stderr, flush=True)
-
     try:
-        written = baselines.regenerate(specs, args.baseline_dir, workers, done)
+        written = baselines.regenerate(specs, args.baseline_dir, workers, _task_progress(n_tasks))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     for path, changed in written:
@@ -308,8 +301,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
              for spec in specs for label, changes, env in perturbations]
     print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations", file=sys.stderr)
     results = execution.run_tasks(tasks, args.workers or execution.default_workers(),
-                                  lambda i, t, sec: print(f"[{i + 1}/{len(tasks)}] {runs.case_id(t.spec)} "
-                                                          f"{t.label} ({sec:.0f} s)", file=sys.stderr, flush=True))
+                                  _task_progress(len(tasks)))
     report_dir = _report_dir(args.report_dir)
     verdicts, table = [], []
     for task, ds in zip(tasks, results):
@@ -331,7 +323,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in ensemble.SPACES}
     failing = [row for row in table if row["status"] in ("fail", "error", "drift")]
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "fingerprint": json.loads(results[0].attrs["fingerprint"]) if results else {},
+                "fingerprint": _host_fingerprint(results[0]) if results else {},
                 "cases": sorted(references), "perturbations": sorted({row["perturbation"] for row in table}),
                 "runs": len(table), "runs_with_alarms": len(failing), "false_alarms": alarms_by_metric}
     sensitivity = {"design_false_alarm_rate": ensemble.FALSE_ALARM_RATE, "measured": measured,
@@ -353,6 +345,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"report: {report_dir / 'index.html'}; table: {report_dir / 'calibration.json'}; "
           f"summary for later run reports: {calibration.measured_path(args.baseline_dir)} (commit it)")
     return EXIT_REGRESSION if failing else EXIT_OK
+
+
+def _host_fingerprint(ds: Any) -> dict:
+    """The host a calibration measured: a run's fingerprint without its own thread count."""
+    import json
+
+    return {k: v for k, v in json.loads(ds.attrs["fingerprint"]).items() if k != "threads"}
 
 
 def _tabulate(table: list, verdicts: list, case: str, label: str, outcome: Any) -> None:
@@ -510,17 +509,27 @@ def _train_all(runs: Any, specs: list, workers: int) -> list:
                 for i, spec in enumerate(specs, 1)]
     print(f"training {len(specs)} case(s) on {min(workers, len(specs))} worker processes",
           file=sys.stderr, flush=True)
+    try:
+        return execution.run_tasks([execution.Task(spec) for spec in specs], workers,
+                                   _task_progress(len(specs)))
+    except ValueError as exc:  # e.g. --device cuda on a machine without CUDA
+        raise UsageError(str(exc)) from None
+
+
+def _task_progress(total: int) -> Callable[[int, Any, float], None]:
+    """execution.run_tasks' `done` callback: one stderr line per finished task, counted in the
+    order they finish (a pool finishes them out of order)."""
+    from precision_suite import runs
+
     finished = [0]
 
     def done(_index: int, task: Any, seconds: float) -> None:
         finished[0] += 1
-        print(f"[{finished[0]}/{len(specs)}] {runs.case_id(task.spec)} done ({seconds:.0f} s so far)",
+        label = f" {task.label}" if task.label else ""
+        print(f"[{finished[0]}/{total}] {runs.case_id(task.spec)}{label} ({seconds:.0f} s so far)",
               file=sys.stderr, flush=True)
 
-    try:
-        return execution.run_tasks([execution.Task(spec) for spec in specs], workers, done)
-    except ValueError as exc:  # e.g. --device cuda on a machine without CUDA
-        raise UsageError(str(exc)) from None
+    return done
 
 
 def _train(runs: Any, spec: Any, label: str):

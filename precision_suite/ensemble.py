@@ -13,11 +13,12 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
   that sit on a quantization boundary.
 - **trained points** (and every point of a seed outside the ensemble): against the ensemble's
   spread, per series (metric x layer x tensor x layout) in the metric's own space (`SPACES`).
-  Each point's z is its distance from the K-seed mean in spreads; the spread of a point is the
-  larger of its own K-seed spread and the spread pooled over every trained point of the same
-  metric, tensor and layout (K is small: the pooled estimate has hundreds of degrees of freedom
-  and keeps one quiet series from false-alarming), plus a floor: Poisson noise of the counted
-  elements for fractions, so a fourfold change at 1e-5 is as visible as at 1e-2.
+  Each point's z is its distance from the K-seed mean in spreads; the variance of a point is the
+  larger of its own K-seed variance and the pooled one: the seeds' variance beyond the count
+  noise, averaged over every trained point of the same metric, tensor and layout (K is small:
+  the pool has hundreds of degrees of freedom and keeps one quiet series from false-alarming),
+  plus the floor (Poisson noise of the counted elements for fractions), so a change is as
+  visible at 1e-5 as at 1e-2 once the same number of elements is counted.
   A series is judged by the **median of its trained points' z** (persistence). A seed's
   trajectory has excursions: a loss spike moves every layer at one step by tens of spreads
   (measured: docs/baselines.md, leave-one-seed-out), which no K-seed spread predicts; a change of
@@ -362,7 +363,7 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
         if abs(median_z) <= z_crit:
             continue
         kind = "regression" if median_z > 0 else "drift"
-        beyond = int(np.sum(np.abs(z[points]) > z_crit))
+        beyond = int(np.sum(np.sign(median_z) * z[points] > z_crit))  # on the median's side
         detail = (f"median over the {points.size} trained points {median_z:+.1f} spreads from the "
                   f"{k}-seed mean (this point), band ±{z_crit:.1f}; {beyond} of {points.size} "
                   f"points beyond")
