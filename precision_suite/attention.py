@@ -15,7 +15,8 @@ Built in: ``softmax``; polynomials ``x^p/c`` with an integer p >= 1 and c a posi
 never registered); ``sigmoid`` (``sigmoid(S - log N)``); ``relu/N``; ``ssmax`` (scalable softmax
 ``softmax(s log(N) S)`` with the constant s = 1: the learned-free variant).
 
-Register your own with ``@register_attention("name")`` or ``register_attention("name", fn)``.
+Register your own with ``@register_attention("name")`` or ``register_attention("name", fn)``, or
+name it by an import string (``"mypkg.attention:phi"``) where a name is asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from precision_suite.imports import is_import_string, load_object
 
 AttentionFn = Callable[[Tensor, int, Optional[Tensor]], Tensor]
 
@@ -64,13 +67,17 @@ def known_attentions() -> list[str]:
 
 
 def get_attention(name: str) -> AttentionFn:
-    """The activation called ``name``: a registered one or a polynomial parsed from the name."""
+    """The activation called ``name``: a registered one, a polynomial parsed from the name, or a
+    user's function named by an import string (``"mypkg.attention:phi"``, same signature)."""
     if isinstance(name, str) and name in ATTENTIONS:
         return ATTENTIONS[name]
     polynomial = _parse_polynomial(name)
     if polynomial is not None:
         return polynomial
-    raise ValueError(f"unknown attention {name!r}; known: {', '.join(known_attentions())}")
+    if is_import_string(name):
+        return load_object(name, "attention")
+    raise ValueError(f"unknown attention {name!r}; known: {', '.join(known_attentions())}, "
+                     "or a function of yours as package.module:function")
 
 
 def _parse_polynomial(name: str) -> AttentionFn | None:

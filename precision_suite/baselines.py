@@ -192,7 +192,19 @@ def update_baseline(ds: xr.Dataset, path: str | os.PathLike) -> bool:
 
 
 def default_regen_hint(case: str) -> str:
-    return f"precision-suite baseline update --case '{case}'"
+    """A command that recreates `case`: `baseline update --case` for a case of the built-in matrix;
+    any other case is defined by a config file or a test, which must be named too."""
+    if in_default_matrix(case):
+        return f"precision-suite baseline update --case '{case}'"
+    return (f"precision-suite baseline update --config <the file defining it> --case '{case}' "
+            "(or, for a pytest case, pytest <its test> --precision-regen)")
+
+
+def in_default_matrix(case: str) -> bool:
+    from precision_suite.matrix import default_matrix  # late: the matrix needs torch (runs.py)
+    from precision_suite.runs import case_id
+
+    return case in {case_id(spec) for spec in default_matrix()}
 
 
 def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, Any] | None = None,

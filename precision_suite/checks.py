@@ -7,15 +7,19 @@ Rules are written as short strings (or TOML tables) and configured in pyproject.
     "distortion >= 0.999 @ tensor=activation, steps=last"    only the last sampled step
     "attention_norm <= sqrt(N) @ attention=softmax"          bound from the run, only softmax runs
     "growth(attention_norm) <= 4 @ layer=0|11"               last step <= 4 x first step, per layer
+    "underflow <= 1e-3 @ module=*.mlp.*, tensor=gradient"    per module (globs), not per layer
 
-After `@`: `layer`, `tensor`, `layout` select coordinates (alternatives separated by `|`), `steps`
-is `all` (default) or `last`, and any other key must match a field of the run's spec. The grammar
-and the reasons for it are in docs/baselines.md.
+After `@`: `module` (globs), `layer`, `tensor`, `layout` select coordinates (alternatives separated
+by `|`), `steps` is `all` (default) or `last`, and any other key must match a field of the run's
+spec. A rule with a `module` selector, or on a run whose modules carry no block index, is checked
+per module (views.module_view); otherwise per layer. The grammar and the reasons for it are in
+docs/baselines.md.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import math
 import operator
@@ -259,10 +263,13 @@ def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
                 case: str | None = None, *, strict: bool = False) -> list[Finding]:
     """Findings (kind "threshold", or "error" for a rule that cannot be applied) of `rules` on `ds`.
 
-    A rule whose spec selectors (e.g. attention=softmax) do not match the run does not apply.
-    A rule whose coordinate selectors match nothing in the run is skipped, or, with strict=True
-    (rules written for this very case), reported as an error. Cells NaN at every step (pairs the
-    run does not measure) are skipped; a NaN among measured steps violates the rule.
+    A rule whose spec selectors (e.g. attention=softmax) do not match the run does not apply, nor
+    does one with spec selectors on a run without a spec (a user's model recorded by instrument()),
+    unless strict=True (rules written for this very case). A selector that is neither a dimension
+    nor a field of the run's spec is an error. A rule whose
+    coordinate selectors match nothing is skipped, or an error with strict=True. Cells NaN at every
+    step (pairs the run does not measure) are skipped; a NaN among measured steps violates the
+    rule, and a rule whose every selected cell is NaN is an error: it checks nothing.
     """
     case = case if case is not None else str(ds.attrs.get("case", "?"))
     findings: list[Finding] = []
@@ -276,27 +283,39 @@ def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
 
 
 def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Finding]:
+    spec = run_spec(ds)
+    for key, wanted in rule.select:  # spec selectors first: a rule that does not apply checks nothing
+        if key in COORD_KEYS or key in ds.dims:
+            continue
+        if key not in spec:
+            # a run without a spec (recorded from a user's model by instrument()) has no such field:
+            # project-wide rules about spec fields do not apply to it; in a spec it is a typo
+            if spec or strict:
+                raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
+                                 f"({', '.join(sorted(spec)) or 'no spec'})")
+            return []
+        if not _spec_matches(spec[key], wanted):
+            return []
+    recorded = ds
+    if _per_module(ds, rule):
+        from precision_suite.views import module_view  # xarray only where a rule needs it
+
+        ds = module_view(ds)
     if rule.metric not in ds.data_vars:
         raise ValueError(f"the run has no metric {rule.metric!r}; it has {', '.join(map(str, ds.data_vars))}")
     da = ds[rule.metric]
-    spec = run_spec(ds)
     index: dict[str, list[Any]] = {}
     for key, wanted in rule.select:
         if key in COORD_KEYS or key in da.dims:
             if key not in da.dims:
                 raise ValueError(f"{rule.metric} has no {key} dimension (its dims: {', '.join(da.dims)})")
-            present = _matching_coords(da[key].values, wanted)
+            present = _matching_coords(da[key].values, wanted, glob=key == "module")
             if not present:
                 if strict:
                     raise ValueError(f"{key}={'|'.join(wanted)} matches nothing; the run has "
                                      f"{key} {', '.join(str(v) for v in da[key].values)}")
                 return []
             index[key] = present
-        elif key not in spec:
-            raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
-                             f"({', '.join(sorted(spec)) or 'no spec'})")
-        elif not _spec_matches(spec[key], wanted):
-            return []
     da = da.sel(index)
     time_dims = [d for d in da.dims if d in TIME_DIMS]
     if len(time_dims) != 1:
@@ -307,8 +326,9 @@ def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Fin
     values = da.values.astype(np.float64).reshape(-1, da.sizes[time_dim])
     measured = ~np.all(np.isnan(values), axis=1)
     if not measured.any():
-        if strict:
-            raise ValueError("every selected cell is NaN (not measured by this run)")
+        if strict or not _unmeasured_by_design(recorded, da):
+            raise ValueError(f"every selected cell of {rule.metric} is NaN: the run did not measure it "
+                             "(e.g. attention that no probe saw); the rule checks nothing")
         return []
     names = run_names(ds)
     n_steps = values.shape[1]
@@ -359,8 +379,28 @@ def _resolve(bound: float | str, names: Mapping[str, float]) -> float:
     return bound if isinstance(bound, float) else evaluate_expression(bound, names)
 
 
-def _matching_coords(coords: np.ndarray, wanted: Sequence[str]) -> list[Any]:
+def _matching_coords(coords: np.ndarray, wanted: Sequence[str], glob: bool = False) -> list[Any]:
+    if glob:
+        return [to_python(c) for c in coords if any(fnmatch.fnmatchcase(str(c), w) for w in wanted)]
     return [to_python(c) for c in coords if str(to_python(c)) in wanted]
+
+
+def _unmeasured_by_design(ds: xr.Dataset, da: xr.DataArray) -> bool:
+    """True for (tensor, layout) pairs the run's schemes do not measure (no element counted), which
+    a project-wide rule may select on some runs; NaN attention or losses are never by design."""
+    if "layout" not in da.dims:
+        return False
+    if "module_sums" not in ds:
+        return True  # a dataset without counts cannot tell; rules keep skipping such pairs
+    counted = ds["module_sums"].sel(sum_field="numel", tensor=da["tensor"].values, layout=da["layout"].values)
+    return not bool((counted > 0).any())
+
+
+def _per_module(ds: xr.Dataset, rule: Rule) -> bool:
+    """Check per module when the rule selects modules, or when the run has no per-layer view."""
+    if any(key == "module" for key, _ in rule.select):
+        return True
+    return "module_sums" in ds and "layer" not in ds.dims
 
 
 def _spec_matches(value: Any, wanted: Sequence[str]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 import time
@@ -408,6 +409,8 @@ def _selected_specs(args: argparse.Namespace) -> list:
         specs = [dataclasses.replace(spec, seed=args.seed) for spec in specs]
     source = f"config file {args.config}" if args.config else \
         ("the quick matrix" if args.quick else "the default matrix")
+    if args.attention and not args.config:
+        specs += _new_attention_specs(args.attention, specs)
     filters = {"model": args.model, "attention": args.attention, "recipe": args.recipe}
     for field, wanted in filters.items():
         if not wanted:
@@ -451,11 +454,43 @@ def _selected_specs(args: argparse.Namespace) -> list:
     return specs
 
 
+def _new_attention_specs(names: Sequence[str], specs: list) -> list:
+    """A figure-A case (the matrix's ViT recipe) for each --attention outside the matrix that names
+    a variant: a polynomial such as x^2/4 or a user's function, package.module:function."""
+    from precision_suite import matrix
+    from precision_suite.attention import get_attention
+    from precision_suite.runs import RunSpec
+
+    known = {spec.attention for spec in specs}
+    added = []
+    for name in dict.fromkeys(names):
+        if name in known:
+            continue
+        try:
+            get_attention(name)
+        except ValueError:
+            continue  # left to the filter's error, which lists what the matrix has
+        added.append(RunSpec(model="vit", attention=name, recipe=matrix.VIT_RECIPE))
+    return added
+
+
 def _config_specs(path: Path) -> list:
-    """RunSpecs from a TOML file of [[case]] tables whose keys are RunSpec fields."""
+    """RunSpecs from a TOML file of [[case]] tables whose keys are RunSpec fields, and the user
+    recipes its [recipes.NAME] tables declare (made known to this process and the workers it
+    spawns through recipes.RECIPES_ENV)."""
+    from precision_suite import recipes
     from precision_suite.runs import RunSpec
 
     table = _read_toml(path)
+    unknown_tables = sorted(set(table) - {"case", "recipes"})
+    if unknown_tables:
+        raise UsageError(f"{path}: unknown top-level key(s) {', '.join(unknown_tables)}; a config has "
+                         "[[case]] tables and optional [recipes.NAME] tables")
+    try:
+        declared = recipes.recipes_from_toml(table.get("recipes", {}), str(path))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    os.environ.update(recipes.recipes_environment(declared))
     cases = table.get("case")
     if not isinstance(cases, list) or not cases:
         raise UsageError(f"{path}: no [[case]] tables; write one per run, e.g.\n"
@@ -489,6 +524,8 @@ def _regen_command(args: argparse.Namespace, case: str) -> str:
         words.append("--quick")
     if args.config:
         words += ["--config", args.config]
+    for name in dict.fromkeys(args.attention or ()):  # a variant outside the matrix makes its case
+        words += ["--attention", name]
     if args.device:
         words += ["--device", args.device]
     if args.baseline_dir != DEFAULT_BASELINE_DIR:

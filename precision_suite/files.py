@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, BinaryIO, Iterator
 if TYPE_CHECKING:  # xarray is imported where datasets are read or written: checks.py stays light
     import xarray as xr
 
-SCHEMA_VERSION = 2  # run-dataset schema (docs/architecture.md); bump on any layout change
+SCHEMA_VERSION = 3  # run-dataset schema (docs/architecture.md); bump on any layout change
 NETCDF_ENGINE = "h5netcdf"
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 FINDING_KINDS = ("regression", "drift", "threshold", "error")
-COORD_KEYS = ("layer", "tensor", "layout")
+COORD_KEYS = ("module", "layer", "tensor", "layout")
 TIME_DIMS = ("step", "train_step")
 
 

@@ -9,7 +9,8 @@ A tensor of any rank is viewed as 2-D with its leading dimensions flattened into
 - `(128, 1)`: column tiles, 128 consecutive tokens of one channel (the "gradient transpose" that
   the weight-gradient GEMM reads);
 - `(128, 128)`: square blocks (weights);
-- `(1, 32)` / `(32, 1)` and `(1, 16)` / `(16, 1)`: MX and NVFP4 blocks along either axis.
+- `(1, 32)` / `(32, 1)` and `(1, 16)` / `(16, 1)`: MX and NVFP4 blocks along either axis;
+  `(16, 16)`: NVFP4 square weight blocks (one scale per 256 elements).
 
 Shapes that do not divide by the block are zero-padded; a zero never raises a block's amax, so
 padding never changes a scale.
@@ -59,10 +60,12 @@ def parse_layout(spec: object, fmt: str | Format | None = None) -> Layout:
         )
     if layout != "tensor" and min(layout) < 1:
         raise ValueError(f"layout {layout!r}: block dimensions must be positive")
-    if f is not None and f.block is not None and layout not in ((1, f.block), (f.block, 1)):
+    # a fixed-block format scales vectors of `block` elements along either axis; square blocks of
+    # block x block elements share one scale too (the NVFP4 training recipe's 16x16 weight blocks)
+    if f is not None and f.block is not None and layout not in ((1, f.block), (f.block, 1), (f.block, f.block)):
         raise ValueError(
             f"format {f.name!r} scales blocks of {f.block} elements: layout must be "
-            f"(1, {f.block}) or ({f.block}, 1), got {layout!r}"
+            f"(1, {f.block}), ({f.block}, 1) or ({f.block}, {f.block}), got {layout!r}"
         )
     return layout
 

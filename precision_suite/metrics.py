@@ -21,9 +21,9 @@ reductions into one sweep over memory; set PRECISION_SUITE_COMPILE=0 to stay eag
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from precision_suite.formats import Format, get_format
@@ -52,43 +52,41 @@ class QuantStats:
         )
 
     def metrics(self) -> dict[str, float]:
-        s = dict(zip(SUM_FIELDS, self.sums.tolist()))
+        values = metrics_from_sums(self.sums.double().cpu().numpy())
         scale_min, scale_max = self.scale_range.tolist()
-        n = s["numel"]
-        finite = n - s["nonfinite_in"]
-        if finite == 0:  # nothing measurable: not a perfect reconstruction
-            distortion = sqnr_db = math.nan
-        else:
-            distortion, sqnr_db = _distortion(s), _sqnr_db(s)
+        return {**{name: float(value) for name, value in values.items()},
+                "scale_min": scale_min, "scale_max": scale_max}
+
+
+def metrics_from_sums(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """The metrics of sums laid out as SUM_FIELDS along the last axis (any leading shape).
+
+    The one definition of every quantization metric: `QuantStats.metrics` uses it for one tensor,
+    datasets use it for sums pooled over modules, layers or steps. Cells with numel 0 (nothing
+    measured) are NaN; a cell with no finite element has NaN distortion, SQNR and mse (nothing
+    measurable is not a perfect reconstruction).
+    """
+    s = {name: np.asarray(sums, dtype=np.float64)[..., i] for i, name in enumerate(SUM_FIELDS)}
+    n = s["numel"]
+    finite = n - s["nonfinite_in"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # Cauchy-Schwarz bounds the exact cosine by 1; float64 rounding of the sums may not
+        cosine = np.minimum(s["dot"] / np.sqrt(s["xx"] * s["yy"]), 1.0)
+        distortion = np.where((s["xx"] == 0) & (s["yy"] == 0), 1.0,  # zero reproduced as zero
+                              np.where((s["xx"] == 0) | (s["yy"] == 0), 0.0, cosine))
+        sqnr_db = np.where(s["err2"] == 0, np.inf,
+                           np.where(s["xx"] == 0, -np.inf, 10.0 * np.log10(s["xx"] / s["err2"])))
+        nothing = finite <= 0
         return {
             "underflow": s["underflow"] / n,
             "zeros_after": s["zeros_after"] / n,
             "overflow": s["overflow"] / n,
-            "distortion": distortion,
-            "sqnr_db": sqnr_db,
-            "mse": s["err2"] / finite if finite else math.nan,
+            "distortion": np.where(nothing, np.nan, distortion),
+            "sqnr_db": np.where(nothing, np.nan, sqnr_db),
+            "mse": np.where(nothing, np.nan, s["err2"] / finite),
             "nonfinite_in": s["nonfinite_in"],
             "numel": n,
-            "scale_min": scale_min,
-            "scale_max": scale_max,
         }
-
-
-def _distortion(s: dict[str, float]) -> float:
-    if s["xx"] == 0.0 and s["yy"] == 0.0:
-        return 1.0  # zero reproduced as zero
-    if s["xx"] == 0.0 or s["yy"] == 0.0:
-        return 0.0
-    # Cauchy-Schwarz bounds the exact value by 1; float64 rounding of the sums may not.
-    return min(s["dot"] / math.sqrt(s["xx"] * s["yy"]), 1.0)
-
-
-def _sqnr_db(s: dict[str, float]) -> float:
-    if s["err2"] == 0.0:
-        return math.inf
-    if s["xx"] == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(s["xx"] / s["err2"])
 
 
 def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from precision_suite.attention import get_attention
 from precision_suite.data import BYTE_VOCAB, DIGITS_CLASSES, DIGITS_SIDE
-from precision_suite.probes import QuantLinear
+from precision_suite.recipes import QuantLinear
 
 ModelKind = Literal["vit", "gpt"]
 

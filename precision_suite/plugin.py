@@ -238,7 +238,9 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
                     "pass a RunSpec or a dataset made by precision_suite.runs.run", pytrace=False)
     case = str(ds.attrs["case"])
     path = baselines.baseline_path(settings.baseline_dir, case)
-    hint = f"pytest '{node.nodeid}' --precision-regen  (or: {baselines.default_regen_hint(case)})"
+    hint = f"pytest '{node.nodeid}' --precision-regen"
+    if baselines.in_default_matrix(case):
+        hint += f"  (or: {baselines.default_regen_hint(case)})"
 
     extra: list[Finding] = []
     baseline = None

@@ -46,16 +46,34 @@ def round_to_element(y: torch.Tensor, element: ElementType) -> torch.Tensor:
 def round_by_bits(y: torch.Tensor, element: ElementType) -> torch.Tensor:
     """`round_to_element` in float32 arithmetic on the bit pattern: any minifloat grid."""
     if element.emin - element.man_bits >= -126:
-        # The element's quantum at y's binade, floored at the subnormal quantum, is a normal float32:
-        # y / quantum is exact and torch.round rounds half to even.
-        exp_bits = (y.view(torch.int32) & _F32_EXP_MASK).clamp(min=(element.emin + 127) << 23)
-        quantum = (exp_bits - (element.man_bits << 23)).view(torch.float32)
+        # y / quantum is exact and torch.round rounds half to even
+        quantum = element_quantum(y, element)
         return torch.round(y / quantum) * quantum
     # Same exponent range as float32 (bf16): round the bit pattern, the subnormals included.
     shift = _F32_MAN_BITS - element.man_bits
     bits = y.view(torch.int32)
     bits = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)
     return bits.view(torch.float32)
+
+
+def element_quantum(y: torch.Tensor, element: ElementType) -> torch.Tensor:
+    """The element grid's spacing at each float32 value of `y`: the quantum of y's binade, floored
+    at the subnormal quantum. A normal float32 for elements whose subnormals are (emin - man_bits
+    >= -126: every 8-bit and 4-bit format)."""
+    if element.emin - element.man_bits < -126:
+        raise ValueError(f"element {element.name}: its quantum is not a normal float32")
+    exp_bits = (y.view(torch.int32) & _F32_EXP_MASK).clamp(min=(element.emin + 127) << 23)
+    return (exp_bits - (element.man_bits << 23)).view(torch.float32)
+
+
+def stochastic_round(y: torch.Tensor, element: ElementType, generator: torch.Generator) -> torch.Tensor:
+    """Round float32 `y` (within +-element.max) to one of its two neighbouring elements, up with
+    probability equal to the distance from the lower one in quanta: unbiased, E[result] = y.
+    floor(y / q + u), u ~ U[0, 1), drawn from `generator` (seeded: deterministic)."""
+    quantum = element_quantum(y, element)
+    u = torch.rand(y.shape, generator=generator, device=y.device, dtype=torch.float32)
+    rounded = torch.floor(y / quantum + u) * quantum
+    return rounded.clamp(-element.max, element.max)
 
 
 def _finite_amax(blocks: torch.Tensor) -> torch.Tensor:

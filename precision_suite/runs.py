@@ -9,6 +9,7 @@ accuracy per training step. See docs/runs.md for the fields and the dataset layo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import platform
@@ -23,29 +24,23 @@ import torch.nn.functional as F
 import xarray as xr
 
 from precision_suite import __version__
-from precision_suite.files import SCHEMA_VERSION
 from precision_suite.attention import get_attention
 from precision_suite.data import digits_batch, text_batch
 from precision_suite.models import ModelConfig, block_linears, build_model, model_config
-from precision_suite.metric_table import METRICS, QUANT_METRICS
-from precision_suite.probes import (
-    SCHEME_EXAMPLES,
-    TENSOR_ROLES,
-    LayerRecord,
-    Probes,
-    Scheme,
-    check_scheme_fits,
-    get_scheme,
-    set_recipe,
-)
+from precision_suite.metric_table import METRICS
+from precision_suite.imports import is_import_string, load_object
+from precision_suite.recorder import Recorder, instrument
+from precision_suite.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
+from precision_suite.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, set_recipe
 
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side
-# examples of training recipes; any quantization scheme name (probes.get_scheme) also works
-RECIPES = ("fp32", "bf16", "fp8-block", "mxfp8", "nvfp4")
 # used where RunSpec.batch_size / lr is None. Both batches are 512 tokens per step; the 12-block ViT
 # does not learn in 50 steps at lr 1e-3 (loss stays at chance) but does at 3e-4.
 TRAINING_DEFAULTS = {"vit": {"batch_size": 32, "lr": 3e-4}, "gpt": {"batch_size": 8, "lr": 1e-3}}
+USER_MODEL_DEFAULTS = {"batch_size": 8, "lr": 1e-3}  # a user's model (model = "package.module:factory")
+# what makes two runs of one case: the seed draws an ensemble member, threads and device the host
+NOT_CASE_IDENTITY = ("seed", "threads", "device")
 GRAD_CLIP_NORM = 1.0
 
 ProgressFn = Callable[[int, int, float], None]
@@ -53,11 +48,18 @@ ProgressFn = Callable[[int, int, float], None]
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What to train and measure. ``None`` model sizes mean the model's default (models.py)."""
+    """What to train and measure. ``None`` model sizes mean the model's default (models.py).
 
-    model: str = "gpt"  # "vit" | "gpt"
-    attention: str = "softmax"  # attention.get_attention name, e.g. "x^3/sqrt(N)"
-    recipe: str = "fp32"  # emulated training format: fp32, bf16, fp8-block, mxfp8, nvfp4, <fmt>:<layout>
+    A user's model: ``model="mypkg.models:build"`` names a factory called as ``build(spec)`` that
+    returns an ``nn.Module``, and ``batches="mypkg.data:batch"`` one called as
+    ``batch(spec, generator)`` each step, returning (inputs, targets); the loss is the
+    cross-entropy of ``model(inputs)`` against ``targets`` (logits reshaped to one row per target).
+    The size fields (depth, width, ...) are the factory's to read.
+    """
+
+    model: str = "gpt"  # "vit" | "gpt" | "package.module:factory"
+    attention: str = "softmax"  # attention.get_attention name, e.g. "x^3/sqrt(N)", or package.module:phi
+    recipe: str = "fp32"  # fp32, or a recipes.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
     extra_formats: tuple[str, ...] = ()  # schemes measured next to fp8-block, e.g. ("mxfp8", "nvfp4")
     steps: int = 50
     batch_size: Optional[int] = None  # None: 32 images (vit) / 8 sequences (gpt)
@@ -70,6 +72,7 @@ class RunSpec:
     heads: Optional[int] = None
     seq_len: Optional[int] = None  # GPT: sequence length; ViT: patches per image (4, 16 or 64)
     threads: int = 1  # torch CPU threads, pinned during the run
+    batches: Optional[str] = None  # a user model's batches: "package.module:function"
 
     def __post_init__(self) -> None:
         # lists (from JSON or callers) become tuples so specs stay hashable and compare equal
@@ -77,22 +80,25 @@ class RunSpec:
             object.__setattr__(self, "extra_formats", tuple(self.extra_formats))
 
     # -- derived values -------------------------------------------------------------------------
+    @property
+    def user_model(self) -> bool:
+        return is_import_string(self.model)
+
     def model_config(self) -> ModelConfig:
         return model_config(self.model, self.attention, self.depth, self.width, self.heads, self.seq_len)
 
     def resolved_batch_size(self) -> int:
-        return TRAINING_DEFAULTS[self.model]["batch_size"] if self.batch_size is None else self.batch_size
+        defaults = TRAINING_DEFAULTS.get(self.model, USER_MODEL_DEFAULTS)
+        return defaults["batch_size"] if self.batch_size is None else self.batch_size
 
     def resolved_lr(self) -> float:
-        return TRAINING_DEFAULTS[self.model]["lr"] if self.lr is None else self.lr
+        return TRAINING_DEFAULTS.get(self.model, USER_MODEL_DEFAULTS)["lr"] if self.lr is None else self.lr
 
     def tokens_per_step(self) -> int:
         return self.resolved_batch_size() * self.model_config().tokens
 
-    def recipe_scheme(self) -> Scheme | None:
-        if self.recipe == "fp32":
-            return None
-        return get_scheme("bf16:tensor" if self.recipe == "bf16" else self.recipe)
+    def training_recipe(self) -> Recipe | None:
+        return None if self.recipe == "fp32" else get_recipe(self.recipe)
 
     def measured_schemes(self) -> list[Scheme]:
         return [get_scheme(name) for name in (DEFAULT_MEASUREMENT, *self.extra_formats)]
@@ -117,40 +123,43 @@ class RunSpec:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         resolve_device(self.device)  # 'cuda' without a CUDA device fails here, before any training
-        if self.model not in TRAINING_DEFAULTS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(TRAINING_DEFAULTS)}")
         get_attention(self.attention)  # unknown names list the known ones
-        config = self.model_config()
         recipe = self._checked_recipe()
         schemes = self._checked_measurements()
+        if self.user_model:
+            load_object(self.model, "model")
+            if self.batches is None:
+                raise ValueError(f"batches: model {self.model!r} is a user's model, so name its batch "
+                                 "function too: batches = \"package.module:function\" (see RunSpec)")
+            load_object(self.batches, "batches")
+            return self
+        if self.model not in TRAINING_DEFAULTS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(TRAINING_DEFAULTS)} "
+                             "or name a factory of yours as package.module:function")
+        if self.batches is not None:
+            raise ValueError(f"batches: the built-in {self.model!r} model trains on its own data; "
+                             "batches is for a user's model (model = \"package.module:factory\")")
+        config = self.model_config()
         tokens = self.tokens_per_step()
         for name, in_features, out_features in block_linears(config):
-            for scheme in ([recipe] if recipe else []) + schemes:
+            if recipe is not None:
+                recipe.check_fits(in_features, out_features, tokens, f"linear layer {name!r}")
+            for scheme in schemes:
                 check_scheme_fits(scheme, in_features, out_features, tokens, f"linear layer {name!r}")
         return self
 
-    def _checked_recipe(self) -> Scheme | None:
-        try:
-            return self.recipe_scheme()
-        except (ValueError, TypeError) as error:  # TypeError: an unhashable value such as a list
-            raise ValueError(
-                f"unknown recipe {self.recipe!r}: use one of {', '.join(RECIPES)} or <format>:<layout> ({error})"
-            ) from None
+    def _checked_recipe(self) -> Recipe | None:
+        if not isinstance(self.recipe, str):
+            raise ValueError(f"recipe must be a name (fp32, {RECIPE_EXAMPLES}), got {self.recipe!r}")
+        return self.training_recipe()
 
     def _checked_measurements(self) -> list[Scheme]:
         if not isinstance(self.extra_formats, tuple) or not all(isinstance(n, str) for n in self.extra_formats):
             raise ValueError(f"extra_formats must be a tuple of scheme names ({SCHEME_EXAMPLES}), got {self.extra_formats!r}")
-        schemes = self.measured_schemes()
-        seen: dict[tuple[str, str], str] = {}
-        for scheme in schemes:
-            for key in scheme.role_labels().items():
-                if key in seen:
-                    raise ValueError(
-                        f"extra_formats: {scheme.name!r} measures the {key[0]} under layout {key[1]!r}, "
-                        f"which {seen[key]!r} already measures; drop it"
-                    )
-                seen[key] = scheme.name
-        return schemes
+        try:
+            return list(check_measurements(self.measured_schemes()))
+        except ValueError as error:
+            raise ValueError(f"extra_formats: {error}") from None
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -187,8 +196,18 @@ def safe_name(name: str) -> str:
 
 
 def case_id(spec: RunSpec) -> str:
-    """'<model>-<attention>-<recipe>', filename-safe, e.g. 'gpt-x3-sqrtN-fp8-block'."""
-    return f"{spec.model}-{safe_name(spec.attention)}-{safe_name(spec.recipe)}"
+    """'<model>-<attention>-<recipe>', filename-safe, e.g. 'gpt-x3-sqrtN-fp8-block', then a short
+    hash of every other field that defines the case where one differs from the defaults (sizes,
+    steps, extra formats, batches...): two specs that are different cases never share an id, nor
+    a baseline file. Seed, threads and device are not part of a case (NOT_CASE_IDENTITY)."""
+    readable = f"{safe_name(spec.model)}-{safe_name(spec.attention)}-{safe_name(spec.recipe)}"
+    defaults = RunSpec()
+    identity = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                if f.name not in ("model", "attention", "recipe", *NOT_CASE_IDENTITY)}
+    if all(value == getattr(defaults, name) for name, value in identity.items()):
+        return readable
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{readable}-{digest}"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -231,32 +250,42 @@ def run(spec: RunSpec, progress: ProgressFn | None = None) -> xr.Dataset:
 
 
 class Trainer:
-    """One run's model, optimizer, data stream and probes; ``step()`` trains one batch.
+    """One run's model, optimizer, data stream and recorder; ``step()`` trains one batch.
 
     Build it inside the seeded context of ``run`` (the model init draws from the global RNG).
     """
 
     def __init__(self, spec: RunSpec, device: torch.device):
         self.spec, self.device = spec, device
-        self.config = spec.model_config()
-        self.model = build_model(self.config).to(device)
-        set_recipe(self.model, spec.recipe_scheme())
-        self.probes = Probes(self.model, spec.measured_schemes())
+        self.config = None if spec.user_model else spec.model_config()
+        model = load_object(spec.model, "model")(spec) if spec.user_model else build_model(self.config)
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model: {spec.model}(spec) returned a {type(model).__name__}, not an nn.Module")
+        self.model = model.to(device)
+        self.user_batches = load_object(spec.batches, "batches") if spec.user_model else None
+        self.tokens_seen = 0
+        set_recipe(self.model, spec.training_recipe(), seed=spec.seed)
+        self.recorder: Recorder = instrument(self.model, schemes=spec.measured_schemes())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
         self.batch_size = spec.resolved_batch_size()
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.config.kind == "vit":
+        if self.user_batches is not None:
+            inputs, targets = self.user_batches(self.spec, self.data_rng)
+            self.tokens_seen += targets.numel()  # a user's model: one token per target
+        elif self.config.kind == "vit":
             inputs, targets = digits_batch(self.batch_size, self.data_rng)
+            self.tokens_seen += self.spec.tokens_per_step()
         else:
             inputs, targets = text_batch(self.batch_size, self.config.tokens, self.data_rng)
+            self.tokens_seen += self.spec.tokens_per_step()
         return inputs.to(self.device), targets.to(self.device).reshape(-1)
 
-    def step(self, sample: bool) -> tuple[float, float, list[LayerRecord] | None]:
-        """Train on one batch; returns (loss, accuracy, per-block records if ``sample``)."""
+    def step(self, index: int, sample: bool) -> tuple[float, float]:
+        """Train on one batch (measured by the recorder if ``sample``); returns (loss, accuracy)."""
         inputs, targets = self._batch()
-        with self.probes.sample() if sample else nullcontext():
+        with self.recorder.step(index, sample=sample):
             logits = self.model(inputs).reshape(targets.numel(), -1)
             loss = F.cross_entropy(logits, targets)
             loss.backward()
@@ -264,7 +293,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
-        return loss.item(), accuracy, self.probes.records() if sample else None
+        return loss.item(), accuracy
 
 
 def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None) -> xr.Dataset:
@@ -272,67 +301,25 @@ def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None) -> 
     sampled = set(spec.sampled_steps())
     losses = np.empty(spec.steps)
     accuracies = np.empty(spec.steps)
-    records: list[list[LayerRecord]] = []
+    tokens = []
     for step in range(spec.steps):
-        losses[step], accuracies[step], step_records = trainer.step(sample=step in sampled)
-        if step_records is not None:
-            records.append(step_records)
+        losses[step], accuracies[step] = trainer.step(step, sample=step in sampled)
+        if step in sampled:
+            tokens.append(trainer.tokens_seen)
         if progress is not None:
             progress(step + 1, spec.steps, float(losses[step]))
-    return _dataset(spec, trainer.config, device, records, losses, accuracies)
-
-
-def _dataset(
-    spec: RunSpec,
-    config: ModelConfig,
-    device: torch.device,
-    records: list[list[LayerRecord]],
-    losses: np.ndarray,
-    accuracies: np.ndarray,
-) -> xr.Dataset:
-    steps = np.array(spec.sampled_steps(), dtype=np.int64)
-    labels = list(dict.fromkeys(label for s in spec.measured_schemes() for label in s.role_labels().values()))
-    shape = (len(steps), config.depth, len(TENSOR_ROLES), len(labels))
-    quant = {name: np.full(shape, np.nan) for name in QUANT_METRICS}
-    nonfinite = np.zeros(shape[:3], dtype=np.int64)
-    numel = np.zeros(shape[1:3], dtype=np.int64)  # elements behind each fraction (count floors)
-    attention_norm = np.empty(shape[:2])
-    for i, step_records in enumerate(records):
-        for layer, record in enumerate(step_records):
-            attention_norm[i, layer] = record.attention_norm
-            for (role, label), metrics in record.metrics.items():
-                index = (i, layer, TENSOR_ROLES.index(role), labels.index(label))
-                for name in QUANT_METRICS:
-                    quant[name][index] = metrics[name]
-                numel[layer, TENSOR_ROLES.index(role)] = metrics["numel"]
-            for role, count in record.nonfinite.items():
-                nonfinite[i, layer, TENSOR_ROLES.index(role)] = count
-    where = ("step", "layer", "tensor", "layout")
-    data_vars = {
-        "attention_norm": (("step", "layer"), attention_norm, METRICS["attention_norm"].attrs()),
-        **{name: (where, values, METRICS[name].attrs()) for name, values in quant.items()},
-        "nonfinite": (("step", "layer", "tensor"), nonfinite, METRICS["nonfinite"].attrs()),
-        "numel": (("layer", "tensor"), numel, {"long_name": "elements counted", "units": "1",
-                                               "description": "elements pooled into each layer's fractions per step"}),
-        "loss": (("train_step",), losses, METRICS["loss"].attrs()),
-        "accuracy": (("train_step",), accuracies, METRICS["accuracy"].attrs()),
-    }
-    coords = {
-        "step": steps,
-        "tokens": ("step", (steps + 1) * spec.tokens_per_step(), {"description": "tokens seen after the step"}),
-        "layer": np.arange(config.depth, dtype=np.int64),
-        "tensor": np.array(TENSOR_ROLES, dtype=object),
-        "layout": np.array(labels, dtype=object),
-        "train_step": np.arange(spec.steps, dtype=np.int64),
-    }
-    attrs = {
-        "schema_version": SCHEMA_VERSION,
-        "case": case_id(spec),
+    attrs: dict[str, object] = {
         "spec": spec.to_json(),
         "fingerprint": json.dumps(fingerprint(device), sort_keys=True),
         "package_version": __version__,
-        # numbers that threshold rules refer to, e.g. "attention_norm <= sqrt(N)"
-        "N": config.tokens,
-        "d_head": config.width // config.heads,
     }
-    return xr.Dataset(data_vars, coords=coords, attrs=attrs)
+    if trainer.config is not None:  # numbers that threshold rules refer to, e.g. "attention_norm <= sqrt(N)"
+        attrs.update(N=trainer.config.tokens, d_head=trainer.config.width // trainer.config.heads)
+    ds = trainer.recorder.dataset(case=case_id(spec), attrs=attrs)
+    return ds.assign_coords(
+        tokens=("step", np.array(tokens, dtype=np.int64), {"description": "tokens seen after the step"}),
+        train_step=np.arange(spec.steps, dtype=np.int64),
+    ).assign(
+        loss=(("train_step",), losses, METRICS["loss"].attrs()),
+        accuracy=(("train_step",), accuracies, METRICS["accuracy"].attrs()),
+    )

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from precision_suite import __version__, calibration, cli, execution, files, matrix, runs
+from precision_suite.ensemble import ENSEMBLE_SEEDS
 from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
@@ -87,10 +88,26 @@ def test_no_command_and_unknown_flags_are_usage_errors(capsys):
 
 
 def test_selection_outside_the_matrix_says_what_exists(workdir, capsys):
-    assert cli.main(["run", "--attention", "x^9/1"]) == 2
+    assert cli.main(["run", "--attention", "no-such-variant"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("precision-suite: error: --attention x^9/1 is not in the default matrix")
+    assert err.startswith("precision-suite: error: --attention no-such-variant is not in the default matrix")
     assert "softmax" in err and "--config" in err and "Traceback" not in err
+
+
+def test_a_new_attention_variant_is_a_figure_a_case_and_its_hint_recreates_it(workdir, fake_training, capsys,
+                                                                            monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # user_code, as a user's package
+    _, trained = fake_training
+    assert cli.main(["run", "--attention", "user_code:half_softmax"]) == 2
+    hint = capsys.readouterr().err.split("create it with: ")[1].split("\n")[0].strip()
+    assert hint == "precision-suite baseline update --case vit-user_code-half_softmax-fp32 --attention user_code:half_softmax"
+    assert cli.main(hint.split()[1:]) == 0  # the hint works as printed
+    assert {(s.model, s.attention, s.recipe) for s in trained} == {("vit", "user_code:half_softmax", "fp32")}
+    assert {s.seed for s in trained} == set(ENSEMBLE_SEEDS)
+    assert cli.main(["run", "--attention", "user_code:half_softmax", "--attention", "x^2/4"]) == 2  # x^2/4: no baseline
+    assert cli.main(["baseline", "update", "--attention", "x^2/4"]) == 0
+    assert cli.main(["run", "--attention", "user_code:half_softmax", "--attention", "x^2/4",
+                     "--report-dir", "out"]) == 0
 
 
 def test_quick_matrix_is_a_subset_of_the_default_matrix():
@@ -269,8 +286,9 @@ def test_real_training_end_to_end(workdir, capsys):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "tiny.toml"]) == 0
     assert cli.main(["run", "--config", "tiny.toml", "--report-dir", "out"]) == 0
     summary = _summary(workdir / "out")
-    assert [(c["case"], c["status"]) for c in summary["cases"]] == [("vit-x3-sqrtN-fp8-block", "pass")]
-    assert np.isfinite(files.load_dataset(workdir / "baselines" / "vit-x3-sqrtN-fp8-block.nc")
+    (spec,) = cli._config_specs(Path("tiny.toml"))
+    assert [(c["case"], c["status"]) for c in summary["cases"]] == [(case_id(spec), "pass")]
+    assert np.isfinite(files.load_dataset(workdir / "baselines" / f"{case_id(spec)}.nc")
                        ["attention_norm"].values).all()
 
 

@@ -170,7 +170,7 @@ def test_nonfinite_inputs_do_not_poison_their_block():
         (lambda: quantize(torch.ones(4), "fp9", (1, 128)), "unknown format 'fp9'"),
         (lambda: quantize(torch.ones(4), "e4m3", "rows"), "unknown layout 'rows'"),
         (lambda: quantize(torch.ones(4), "e4m3", (0, 128)), "must be positive"),
-        (lambda: quantize(torch.ones(4), "mxfp8", (1, 128)), "must be (1, 32) or (32, 1)"),
+        (lambda: quantize(torch.ones(4), "mxfp8", (1, 128)), "must be (1, 32), (32, 1) or (32, 32)"),
         (lambda: quantize(torch.ones(4, dtype=torch.int32), "e4m3", (1, 128)), "x.float()"),
         (lambda: quantize([1.0, 2.0], "e4m3", (1, 128)), "must be a torch.Tensor"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -39,7 +40,15 @@ def test_dataset_follows_the_schema(fp8_gpt):
     assert ds.nonfinite.dims == ("step", "layer", "tensor") and int(ds.nonfinite.sum()) == 0
     assert ds.loss.dims == ds.accuracy.dims == ("train_step",)
     assert np.isfinite(ds.loss).all() and ((ds.accuracy >= 0) & (ds.accuracy <= 1)).all()
-    assert ds.attrs["schema_version"] == SCHEMA_VERSION and ds.attrs["case"] == "gpt-softmax-fp8-block"
+    # per module: the four block linears of each layer and the output head (no block index)
+    assert ds.module.values.tolist() == [f"blocks.{i}.{m}" for i in range(2)
+                                         for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")] + ["head"]
+    assert ds.module_layer.values.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, -1]
+    assert ds.module_sums.dims == ("step", "module", "tensor", "layout", "sum_field")
+    assert ds.attention_module.values.tolist() == ["blocks.0.attn", "blocks.1.attn"]
+    assert ds.attrs["schema_version"] == SCHEMA_VERSION
+    # sizes other than the defaults make another case: its id carries a hash of them
+    assert ds.attrs["case"].startswith("gpt-softmax-fp8-block-") and ds.attrs["case"] == case_id(RunSpec.from_json(ds.attrs["spec"]))
     assert RunSpec.from_json(ds.attrs["spec"]) == RunSpec(recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT)
     assert ds.attrs["package_version"] == precision_suite.__version__
     fingerprint = json.loads(ds.attrs["fingerprint"])
@@ -121,7 +130,7 @@ def test_run_restores_threads_and_rng_and_reports_progress():
     [
         ({"model": "bert"}, "unknown model 'bert'; choose one of vit, gpt"),
         ({"attention": "tanh"}, "unknown attention 'tanh'; known: .*softmax"),
-        ({"recipe": "fp6"}, "unknown recipe 'fp6': use one of fp32, bf16, fp8-block"),
+        ({"recipe": "fp6"}, "unknown recipe 'fp6': use fp32, fp8-block, fp8-hybrid, mxfp8, nvfp4, nvfp4-training"),
         ({"extra_formats": ("int8",)}, "bad quantization scheme 'int8'"),
         ({"extra_formats": ("e4m3:1x128",)}, "'fp8-block' already measures"),
         ({"steps": 0}, "steps must be a positive integer, got 0"),
@@ -165,6 +174,45 @@ def test_spec_json_round_trip_and_unknown_fields():
 )
 def test_case_ids_are_filename_safe(spec, expected):
     assert case_id(spec) == expected
+
+
+def test_everything_that_defines_a_case_is_in_its_id_and_the_host_is_not():
+    base = RunSpec(model="gpt", recipe="fp8-block")
+    variants = [RunSpec(model="gpt", recipe="fp8-block", **{field: value}) for field, value in
+                [("depth", 2), ("width", 64), ("steps", 20), ("sample_every", 5), ("seq_len", 32),
+                 ("extra_formats", ("mxfp8",)), ("lr", 1e-4), ("batch_size", 4)]]
+    ids = [case_id(spec) for spec in (base, *variants)]
+    assert len(set(ids)) == len(ids)
+    assert all(i.startswith("gpt-softmax-fp8-block-") and len(i) == len("gpt-softmax-fp8-block-") + 8 for i in ids[1:])
+    # seeds draw members of one case's ensemble; threads and device are the host's
+    for host in [{"seed": 7}, {"threads": 2}, {"device": "cpu"}]:
+        assert case_id(RunSpec(model="gpt", recipe="fp8-block", **host)) == ids[0]
+
+
+def test_a_users_model_batches_and_attention_run_from_import_strings():
+    spec = RunSpec(model="user_code:build", batches="user_code:batches", steps=2, sample_every=1,
+                   recipe="fp8-block")
+    ds = run(spec)
+    assert ds.attrs["case"] == case_id(spec) and case_id(spec).startswith("user_code-build-softmax-fp8-block-")
+    assert ds.module.values.tolist()[:2] == ["h.0.attn.c_attn", "h.0.attn.c_proj"]
+    assert ds.attention_module.values.tolist() == ["h.0.attn", "h.1.attn"]  # read from SDPA
+    assert ds.attrs["N"] == 32 and ds.tokens.values.tolist() == [256, 512]
+    assert np.isfinite(ds.attention_norm).all() and (ds.attention_norm <= math.sqrt(32)).all()
+    custom = run(RunSpec(**{**TINY_VIT, "attention": "user_code:half_softmax", "steps": 1}))
+    assert (custom.attention_norm >= 1).all()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"model": "user_code:build"}, "batches: model 'user_code:build' is a user's model"),
+    ({"model": "user_code:nothing", "batches": "user_code:batches"}, "model: module 'user_code' has no attribute 'nothing'"),
+    ({"model": "no_such_pkg:build", "batches": "user_code:batches"}, "model: cannot import 'no_such_pkg'"),
+    ({"model": "user_code:VOCAB", "batches": "user_code:batches"}, "model: 'user_code:VOCAB' is a int, not a callable"),
+    ({"model": "vit", "batches": "user_code:batches"}, "batches: the built-in 'vit' model trains on its own data"),
+    ({"attention": "user_code:missing"}, "attention: module 'user_code' has no attribute 'missing'"),
+])
+def test_bad_import_strings_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunSpec(**fields).validate()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,0 +1,362 @@
+"""Training recipes as declarations: a format, layout and rounding for each operand of each GEMM.
+
+A linear layer y = x W^T runs three GEMMs, each with two operands (layouts are over the operand as
+stored: x and dy are (tokens, features), W is (out, in)):
+
+- ``fprop``: y = x W^T, operands x and W (reduction over in);
+- ``dgrad``: dx = dy W, operands dy and W (reduction over out);
+- ``wgrad``: dW = dy^T x, operands dy and x (reduction over tokens).
+
+A GEMM may apply a random Hadamard transform along its reduction dimension to both operands
+(``hadamard``: block size, 0 for none): (H dy)^T (H x) = dy^T x for an orthogonal H, so the
+product is unchanged before quantization while outliers spread over the block. Stochastic
+rounding draws from a generator seeded per layer (``set_recipe``): runs stay deterministic.
+
+``QuantLinearFn`` runs the three GEMMs of a linear layer with a recipe's operands; ``set_recipe``
+puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models; every
+``nn.Linear`` of a user's model, without editing it).
+
+Like torchao's recipe configs, each named recipe carries its source, and a Recipe checks itself
+when built. Named recipes: ``fp8-block``, ``fp8-hybrid``, ``mxfp8``, ``nvfp4`` (a plain block
+scheme), ``nvfp4-training``; any measurement scheme name (``e4m3:tensor``, ``bf16``) is a recipe
+too; and user recipes come from TOML (``recipes_from_toml``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from precision_suite.formats import get_format
+from precision_suite.layouts import Layout, from_blocks, parse_layout, to_blocks
+from precision_suite.probes import Scheme, get_scheme, transpose_layout
+from precision_suite import quantization  # by module: a planted bug in its scale rule reaches us too
+from precision_suite.quantization import quantize
+
+ROUNDINGS = ("nearest", "stochastic")
+HIGH_PRECISION = "fp32"  # an operand kept in float32 (e.g. a high-precision wgrad GEMM)
+# user recipes from a config reach spawned and remote workers through this variable (JSON)
+RECIPES_ENV = "PRECISION_SUITE_RECIPES"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one GEMM operand is quantized: format (or "fp32": kept), layout, rounding."""
+
+    fmt: str
+    layout: Layout = "tensor"
+    rounding: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        if self.fmt != HIGH_PRECISION:
+            object.__setattr__(self, "layout", parse_layout(self.layout, get_format(self.fmt)))
+            if self.rounding == "stochastic" and get_format(self.fmt).scale_rule == "none":
+                raise ValueError(f"{self.fmt}: stochastic rounding needs a block-scaled format")
+
+    def apply(self, x2d: Tensor, generator: torch.Generator | None) -> Tensor:
+        """Quantize-dequantize the 2-D operand (float32 in, float32 out)."""
+        if self.fmt == HIGH_PRECISION:
+            return x2d
+        if self.rounding == "nearest":
+            return quantize(x2d, self.fmt, self.layout).dequantized
+        if generator is None:
+            raise ValueError("stochastic rounding needs a generator: build the model's recipe with set_recipe")
+        fmt = get_format(self.fmt)
+        blocks = to_blocks(x2d.float(), self.layout)
+        scales = quantization.block_scales(quantization._finite_amax(blocks), fmt)
+        scaled = (blocks / torch.where(scales > 0, scales, torch.inf)).clamp(-fmt.element.max, fmt.element.max)
+        return from_blocks(quantization.stochastic_round(scaled, fmt.element, generator) * scales, *x2d.shape)
+
+    def text(self) -> str:
+        if self.fmt == HIGH_PRECISION:
+            return HIGH_PRECISION
+        layout = "tensor" if self.layout == "tensor" else f"{self.layout[0]}x{self.layout[1]}"
+        return f"{self.fmt}:{layout}" + (":stochastic" if self.rounding == "stochastic" else "")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The two operands of one GEMM, and an optional Hadamard transform along its reduction."""
+
+    a: Operand
+    b: Operand
+    hadamard: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Operands of the three GEMMs of every linear layer (see the module docstring)."""
+
+    name: str
+    fprop: Gemm  # a = x, b = W
+    dgrad: Gemm  # a = dy, b = W
+    wgrad: Gemm  # a = dy, b = x
+    source: str = ""
+    seed: int = 0  # the Hadamard signs' seed
+
+    def __post_init__(self) -> None:
+        for gemm_name in ("fprop", "dgrad"):
+            if getattr(self, gemm_name).hadamard:
+                raise ValueError(f"recipe {self.name!r}: a Hadamard transform on {gemm_name} would mix "
+                                 "features and needs its inverse in the layer; only wgrad (over tokens) takes one")
+        size = self.wgrad.hadamard
+        if size and (size < 2 or size & (size - 1)):
+            raise ValueError(f"recipe {self.name!r}: wgrad hadamard must be a power of two >= 2 (or 0), got {size}")
+
+    def hadamard_matrix(self, device: torch.device) -> Tensor:
+        """H diag(s) / sqrt(n): Sylvester's Hadamard matrix with seeded random signs, orthogonal."""
+        n = self.wgrad.hadamard
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(self.seed)) * 2 - 1
+        return (h * signs / math.sqrt(n)).to(device)
+
+    def rotate_tokens(self, t2d: Tensor, matrix: Tensor) -> Tensor:
+        """Apply the transform to blocks of ``n`` tokens (rows), zero-padding the last block."""
+        n = matrix.shape[0]
+        rows = t2d.shape[0]
+        padded = torch.nn.functional.pad(t2d, (0, 0, 0, -rows % n))
+        return (matrix @ padded.reshape(-1, n, t2d.shape[1])).reshape(-1, t2d.shape[1])
+
+    def uses_stochastic_rounding(self) -> bool:
+        return any(op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b))
+
+    def check_fits(self, in_features: int, out_features: int, tokens: int, what: str) -> None:
+        """ValueError when a block is bigger than the operand it would cut."""
+        shapes = {"fprop": ((tokens, in_features), (out_features, in_features)),
+                  "dgrad": ((tokens, out_features), (out_features, in_features)),
+                  "wgrad": ((tokens, out_features), (tokens, in_features))}
+        for gemm_name, (a_shape, b_shape) in shapes.items():
+            gemm = getattr(self, gemm_name)
+            for operand, role, shape in ((gemm.a, "a", a_shape), (gemm.b, "b", b_shape)):
+                layout = operand.layout
+                if operand.fmt != HIGH_PRECISION and layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
+                    raise ValueError(
+                        f"{what}: recipe {self.name!r} cuts the {gemm_name} operand {operand.text()} "
+                        f"({shape[0]}x{shape[1]}) into {layout[0]}x{layout[1]} blocks, bigger than the tensor; "
+                        f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
+
+    def describe(self) -> dict[str, Any]:
+        return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard}
+                for gemm, g in (("fprop", self.fprop), ("dgrad", self.dgrad), ("wgrad", self.wgrad))}
+
+    @classmethod
+    def from_scheme(cls, scheme: Scheme, source: str = "") -> Recipe:
+        """The recipe of a measurement scheme: the backward GEMMs reduce over other dimensions, so
+        they take the transposed layouts (dgrad W, wgrad dy and x: blocks of tokens)."""
+        def op(layout: Layout) -> Operand:
+            return Operand(scheme.fmt, layout)
+
+        return cls(scheme.name,
+                   fprop=Gemm(op(scheme.activation), op(scheme.weight)),
+                   dgrad=Gemm(op(scheme.gradient), op(transpose_layout(scheme.weight))),
+                   wgrad=Gemm(op(transpose_layout(scheme.gradient)), op(transpose_layout(scheme.activation))),
+                   source=source)
+
+
+def _nvfp4_training() -> Recipe:
+    weight = Operand("nvfp4", (16, 16))  # one quantized weight serves fprop and dgrad
+    return Recipe(
+        "nvfp4-training",
+        fprop=Gemm(Operand("nvfp4", (1, 16)), weight),
+        dgrad=Gemm(Operand("nvfp4", (1, 16), "stochastic"), weight),
+        wgrad=Gemm(Operand("nvfp4", (16, 1), "stochastic"), Operand("nvfp4", (16, 1)), hadamard=16),
+        source="NVIDIA, Pretraining Large Language Models with NVFP4 (arXiv 2509.25149), section 4: "
+               "16x16 2-D weight scaling, 16x16 random Hadamard transforms on the wgrad inputs, "
+               "stochastic rounding of gradients, round-to-nearest elsewhere; two-level scales "
+               "(E4M3 per 16 elements, FP32 per tensor)")
+
+
+def _fp8_hybrid() -> Recipe:
+    forward, gradient = Operand("e4m3", "tensor"), Operand("e5m2", "tensor")
+    return Recipe(
+        "fp8-hybrid", fprop=Gemm(forward, forward), dgrad=Gemm(gradient, forward), wgrad=Gemm(gradient, forward),
+        source="Micikevicius et al., FP8 Formats for Deep Learning (arXiv 2209.05433); Transformer "
+               "Engine's Format.HYBRID: E4M3 forward, E5M2 gradients, one scale per tensor (here the "
+               "current amax, not delayed scaling)")
+
+
+NAMED_RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
+    Recipe.from_scheme(get_scheme("fp8-block"),
+                       "DeepSeek-V3 (arXiv 2412.19437) section 3.3 / Ling 2.0: E4M3, 1x128 activation "
+                       "and gradient tiles, 128x128 weight blocks"),
+    _fp8_hybrid(),
+    Recipe.from_scheme(get_scheme("mxfp8"), "OCP Microscaling Formats (MX) v1.0: E4M3 elements, "
+                                            "E8M0 scale per 32 along the reduction"),
+    Recipe.from_scheme(get_scheme("nvfp4"), "NVFP4 blocks of 16 along the reduction, round to nearest, "
+                                            "no Hadamard transform (compare nvfp4-training)"),
+    _nvfp4_training(),
+)}
+RECIPE_EXAMPLES = f"{', '.join(NAMED_RECIPES)}, bf16, or <format>:<layout> such as e4m3:tensor"
+
+
+def get_recipe(name: str) -> Recipe:
+    """A named recipe, a user recipe (``RECIPES_ENV``), or a measurement scheme's recipe."""
+    if name in NAMED_RECIPES:
+        return NAMED_RECIPES[name]
+    user = _user_recipes()
+    if name in user:
+        return user[name]
+    try:
+        return Recipe.from_scheme(get_scheme("bf16:tensor" if name == "bf16" else name))
+    except ValueError as error:
+        raise ValueError(f"unknown recipe {name!r}: use fp32, {RECIPE_EXAMPLES}, or declare it in a "
+                         f"[recipes.NAME] table of the config ({error})") from None
+
+
+def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]:
+    """Recipes from a config's ``[recipes.NAME]`` tables::
+
+        [recipes.my-hybrid]
+        source = "why and where from"
+        fprop = { a = "e4m3:tensor", b = "e4m3:tensor" }
+        dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }
+        wgrad = { a = "e5m2:1x128:stochastic", b = "fp32", hadamard = 0 }
+
+    ValueError names the table and field at fault."""
+    recipes = {}
+    for name, body in table.items():
+        context = f"{where}: [recipes.{name}]"
+        if not isinstance(body, Mapping):
+            raise ValueError(f"{context} must be a table")
+        unknown = sorted(set(body) - {"source", "fprop", "dgrad", "wgrad"})
+        if unknown:
+            raise ValueError(f"{context} has unknown key(s) {', '.join(unknown)}; allowed: source, fprop, dgrad, wgrad")
+        try:
+            gemms = {gemm: _gemm(body.get(gemm), f"{context} {gemm}") for gemm in ("fprop", "dgrad", "wgrad")}
+            recipes[name] = Recipe(str(name), source=str(body.get("source", "")), **gemms)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{context}: {error}") from None
+        if name in NAMED_RECIPES:
+            raise ValueError(f"{context}: {name!r} is a built-in recipe; pick another name")
+    return recipes
+
+
+def recipes_environment(recipes: Mapping[str, Recipe]) -> dict[str, str]:
+    """Environment that makes ``recipes`` known to ``get_recipe`` in a worker process."""
+    return {RECIPES_ENV: json.dumps({name: {"source": r.source, **r.describe()} for name, r in recipes.items()})} \
+        if recipes else {}
+
+
+def _user_recipes() -> dict[str, Recipe]:
+    text = os.environ.get(RECIPES_ENV)
+    return recipes_from_toml(json.loads(text), RECIPES_ENV) if text else {}
+
+
+def _gemm(value: Any, context: str) -> Gemm:
+    if not isinstance(value, Mapping) or set(value) - {"a", "b", "hadamard"} or not {"a", "b"} <= set(value):
+        raise ValueError(f"{context} must be a table {{ a = \"<fmt>:<layout>[:stochastic]\", b = ..., "
+                         f"hadamard = 0 }}, got {value!r}")
+    hadamard = value.get("hadamard", 0)
+    if not isinstance(hadamard, int) or isinstance(hadamard, bool) or hadamard < 0:
+        raise ValueError(f"{context} hadamard must be a non-negative integer, got {hadamard!r}")
+    return Gemm(_operand(value["a"]), _operand(value["b"]), hadamard)
+
+
+def _operand(text: Any) -> Operand:
+    if not isinstance(text, str):
+        raise ValueError(f"an operand is written \"<fmt>:<layout>[:stochastic]\" or \"fp32\", got {text!r}")
+    parts = text.split(":")
+    if parts[0] == HIGH_PRECISION and len(parts) == 1:
+        return Operand(HIGH_PRECISION)
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ROUNDINGS):
+        raise ValueError(f"operand {text!r}: write \"<fmt>:<layout>\" (e4m3:1x128, nvfp4:16x16, e5m2:tensor), "
+                         "optionally \":stochastic\", or \"fp32\"")
+    return Operand(parts[0], parts[1], parts[2] if len(parts) == 3 else "nearest")
+
+
+
+class QuantLinearFn(torch.autograd.Function):
+    """y = x W^T + b whose three GEMMs consume the recipe's quantized operands (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe | None,
+                generator: torch.Generator | None = None):
+        x2d = x.reshape(-1, x.shape[-1])
+        if recipe is not None:
+            x_used = recipe.fprop.a.apply(x2d, generator)
+            weight_used = recipe.fprop.b.apply(weight, generator)
+        else:
+            x_used, weight_used = x2d, weight
+        y = F.linear(x_used, weight_used, bias)
+        # the originals are saved: the backward GEMMs quantize them their own way, except a weight
+        # that dgrad takes as fprop did (a square or tensor-wide block): reused
+        ctx.save_for_backward(x2d, weight, weight_used)
+        ctx.recipe, ctx.generator, ctx.x_shape, ctx.has_bias = recipe, generator, x.shape, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x2d, weight, weight_used = ctx.saved_tensors
+        recipe, generator = ctx.recipe, ctx.generator
+        dy = grad_output.reshape(-1, grad_output.shape[-1])
+        if recipe is not None:
+            dy_dgrad = recipe.dgrad.a.apply(dy, generator)
+            weight_dgrad = weight_used if recipe.dgrad.b == recipe.fprop.b else recipe.dgrad.b.apply(weight, generator)
+            dy_wgrad, x_wgrad = dy, x2d
+            if recipe.wgrad.hadamard:
+                matrix = recipe.hadamard_matrix(dy.device)
+                dy_wgrad, x_wgrad = recipe.rotate_tokens(dy, matrix), recipe.rotate_tokens(x2d, matrix)
+            dy_wgrad = recipe.wgrad.a.apply(dy_wgrad, generator)
+            x_wgrad = recipe.wgrad.b.apply(x_wgrad, generator)
+        else:
+            dy_dgrad = dy_wgrad = dy
+            weight_dgrad, x_wgrad = weight, x2d
+        grad_x = (dy_dgrad @ weight_dgrad).reshape(ctx.x_shape)
+        grad_weight = dy_wgrad.t() @ x_wgrad
+        grad_bias = dy.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+class QuantLinear(nn.Linear):
+    """``nn.Linear`` whose GEMMs can be quantized (``recipe``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self.recipe: Recipe | None = None
+        self.generator: torch.Generator | None = None  # stochastic rounding's, seeded by set_recipe
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        return QuantLinearFn.apply(x, self.weight, self.bias, self.recipe, self.generator)
+
+
+def set_recipe(model: nn.Module, recipe: Recipe | Scheme | None, seed: int = 0) -> None:
+    """Train the GEMMs of ``model`` with ``recipe`` (None: plain float GEMMs).
+
+    Models with ``QuantLinear`` layers (the built-in ones) choose which GEMMs are quantized: only
+    those. In a model without any (a user's), every ``nn.Linear`` gets the recipe through an
+    instance-level ``forward``, so the model's code and classes stay as they are. Layer i's
+    stochastic rounding draws from a generator seeded with (seed, i): runs are deterministic.
+    """
+    if isinstance(recipe, Scheme):
+        recipe = Recipe.from_scheme(recipe)
+    quant_linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = quant_linears or [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for index, module in enumerate(layers):
+        generator = None
+        if recipe is not None and recipe.uses_stochastic_rounding():
+            generator = torch.Generator(device=module.weight.device).manual_seed(seed * 1_000_003 + index)
+        if quant_linears:
+            module.recipe, module.generator = recipe, generator
+            continue
+        module.__dict__.pop("forward", None)
+        if recipe is not None:
+            module.forward = functools.partial(_recipe_forward, module, recipe, generator)
+
+
+def _recipe_forward(module: nn.Linear, recipe: Recipe, generator: torch.Generator | None, x: Tensor) -> Tensor:
+    return QuantLinearFn.apply(x, module.weight, module.bias, recipe, generator)

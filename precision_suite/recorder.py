@@ -1,0 +1,359 @@
+"""Record any ``nn.Module``'s GEMM operands and attention matrices on sampled steps.
+
+``instrument(model)`` attaches to a model without editing or subclassing it::
+
+    rec = precision_suite.recorder(model, schemes=("fp8-block", "mxfp8"))
+    for i, batch in enumerate(batches):
+        with rec.step(i):            # measures only on sampled steps; free otherwise
+            loss = loss_fn(model, batch); loss.backward()
+        opt.step(); opt.zero_grad()
+    ds = rec.dataset(case="my-model")  # the run schema (docs/architecture.md), with `module`
+    rec.remove()                      # also usable as a context manager
+
+On a sampled step, every selected linear-like module gets a forward hook that measures its input
+activation x and its weight W (read as (out, in)) and hangs a hook on its output that measures the
+output gradient dy in backward (``gradient`` and, in the transposed layout, ``gradient_transpose``:
+the wgrad GEMM's operand). Each (module, tensor role, layout) keeps additive sums
+(``metrics.QuantStats``); per-layer numbers are those sums added over a block's modules
+(``views.py``), so both levels come from one measurement.
+
+Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
+for custom kernels; the built-in models have one) is handed phi(S) directly. Elsewhere, calls to
+``F.scaled_dot_product_attention`` (causal or masked, grouped-query heads) are intercepted on
+sampled steps and softmax(Q K^T * scale + mask) is recomputed from the query and key the kernel
+receives; explicit softmaxes over square (..., N, N) scores are read as they are computed. Each
+value goes to the innermost module running at the time (e.g. ``model.layers.3.self_attn``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from precision_suite.metrics import SUM_FIELDS, QuantStats, quant_stats
+from precision_suite.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme
+from precision_suite.views import run_dataset
+
+WeightReader = Callable[[nn.Module], Tensor]
+
+# class -> how to read its weight as (out, in). Hugging Face's Conv1D (GPT-2 and relatives) computes
+# x @ W + b with W stored as (in, out); it is matched by name so transformers need not be imported.
+_LINEAR_LIKE: dict[type, WeightReader] = {nn.Linear: lambda module: module.weight}
+_LINEAR_LIKE_BY_NAME: dict[str, WeightReader] = {
+    "transformers.pytorch_utils.Conv1D": lambda module: module.weight.t(),
+}
+ATTENTION_MODES = ("auto", None)
+
+
+def register_linear(cls: type, weight: WeightReader = lambda module: module.weight) -> None:
+    """Treat ``cls`` (and its subclasses) as a GEMM layer y = x W^T (+ b) whose input is the
+    forward's first argument; ``weight(module)`` returns W as (out, in)."""
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"register_linear: expected an nn.Module subclass, got {cls!r}")
+    if not callable(weight):
+        raise TypeError(f"register_linear({cls.__name__}): weight must be callable, got {weight!r}")
+    _LINEAR_LIKE[cls] = weight
+
+
+def weight_reader(module: nn.Module) -> WeightReader | None:
+    """How to read ``module``'s weight as (out, in), or None when it is not linear-like."""
+    for cls in type(module).__mro__:
+        if cls in _LINEAR_LIKE:
+            return _LINEAR_LIKE[cls]
+        reader = _LINEAR_LIKE_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+        if reader is not None:
+            return reader
+    return None
+
+
+def instrument(model: nn.Module, *, modules: str | re.Pattern | Sequence[str | re.Pattern] | None = None,
+               schemes: Sequence[str | Scheme] = ("fp8-block",), attention: str | None = "auto",
+               sample_every: int = 1) -> Recorder:
+    """A recorder of ``model``'s GEMM operands and attention norms (see the module docstring).
+
+    modules: fully qualified module names to measure: globs (``"*.mlp.*"``) or compiled regular
+      expressions (``re.compile(r"layers\\.\\d+\\.self_attn")``); default every linear-like module.
+    schemes: what each operand is measured under (``probes.get_scheme`` names or Schemes).
+    attention: "auto" records attention-matrix norms (explicit taps, SDPA, softmax); None does not.
+    sample_every: ``step(i)`` measures when i % sample_every == 0 (or when told ``sample=True``).
+    """
+    return Recorder(model, modules, schemes, attention, sample_every)
+
+
+class Recorder:
+    """What ``instrument`` returns; see the module docstring."""
+
+    def __init__(self, model: nn.Module, modules: Any, schemes: Sequence[str | Scheme],
+                 attention: str | None, sample_every: int) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"instrument: model must be an nn.Module, got {type(model).__name__}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"instrument: attention must be 'auto' or None, got {attention!r}")
+        if not isinstance(sample_every, int) or isinstance(sample_every, bool) or sample_every < 1:
+            raise ValueError(f"instrument: sample_every must be a positive integer, got {sample_every!r}")
+        if isinstance(schemes, (str, Scheme)):
+            schemes = (schemes,)
+        self.schemes = check_measurements([s if isinstance(s, Scheme) else get_scheme(s) for s in schemes])
+        self.model, self.attention, self.sample_every = model, attention, sample_every
+        self.gemms = _select_gemms(model, modules)
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.taps = [(name, module) for name, module in model.named_modules() if hasattr(module, "attention_tap")]
+        # per scheme, role -> (layout label, layout): worked out once, not per tensor
+        self._measured = [(s.fmt, {role: (s.role_labels()[role], layout) for role, layout in s.role_layouts().items()})
+                          for s in self.schemes]
+        self.labels = list(dict.fromkeys(label for s in self.schemes for label in s.role_labels().values()))
+        self.steps: list[int] = []
+        self._sums: list[dict[tuple[str, str, str], QuantStats]] = []
+        self._attention: list[dict[str, list[float]]] = []
+        self._stack: list[str] = []  # names of the modules running now (attention attribution)
+        self._handles: list[Any] = []
+        self.tokens = 0  # N: the largest attention matrix seen (bounds such as sqrt(N) need it)
+
+    # -- measuring ---------------------------------------------------------------------------
+    @contextmanager
+    def step(self, index: int, sample: bool | None = None) -> Iterator[bool]:
+        """Measure the forward and backward run inside the block if the step is sampled
+        (``index % sample_every == 0``, or ``sample``); yields whether it is."""
+        sampled = index % self.sample_every == 0 if sample is None else bool(sample)
+        if not sampled:
+            yield False
+            return
+        if self._handles:
+            raise RuntimeError("Recorder.step: steps do not nest; finish the current one first")
+        sums: dict[tuple[str, str, str], QuantStats] = {}
+        attention: dict[str, list[float]] = defaultdict(list)
+        intercepted: dict[str, list[float]] = defaultdict(list)
+        self._attach(sums, attention, intercepted)
+        try:
+            with _AttentionCapture(self, intercepted) if self.attention == "auto" else _nothing():
+                yield True
+        finally:
+            self._detach()
+        # an explicit tap is the module's own account of phi(S): it wins over what was intercepted
+        for name, values in intercepted.items():
+            if name not in attention:
+                attention[name] = values
+        self.steps.append(int(index))
+        self._sums.append(sums)
+        self._attention.append(dict(attention))
+
+    def record_attention(self, attention: Tensor, module: str | nn.Module | None = None) -> None:
+        """Record phi(S) (..., N, N) of a custom kernel for ``module`` (default: the innermost
+        module running now). Only on sampled steps; a no-op otherwise."""
+        if not self._handles:
+            return
+        name = self.names.get(id(module)) if isinstance(module, nn.Module) else module
+        name = name if name is not None else (self._stack[-1] if self._stack else "")
+        self._add_attention(self._current_attention, name, attention)
+
+    def _add_attention(self, into: dict[str, list[float]], name: str, attention: Tensor) -> None:
+        into[name].append(_attention_norm(attention))
+        self.tokens = max(self.tokens, attention.shape[-1])
+
+    def _attach(self, sums: dict, attention: dict, intercepted: dict) -> None:
+        self._current_attention = attention
+        for name, (module, read_weight) in self.gemms.items():
+            self._handles.append(module.register_forward_hook(self._gemm_hook(name, read_weight, sums)))
+        for name, module in self.taps:
+            module.attention_tap = lambda a, name=name: self._add_attention(attention, name, a)
+        if self.attention == "auto":
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
+                self._handles.append(module.register_forward_hook(lambda *_: self._leave()))
+        self._handles.append(None)  # marks "attached" even for a model with no hooks to add
+
+    # module hooks: a hook that returns a value replaces the module's input or output, so None
+    def _enter(self, name: str) -> None:
+        self._stack.append(name)
+
+    def _leave(self) -> None:
+        self._stack.pop()
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            if handle is not None:
+                handle.remove()
+        for _, module in self.taps:
+            module.attention_tap = None
+        self._handles, self._stack = [], []
+
+    def _gemm_hook(self, name: str, read_weight: WeightReader, sums: dict) -> Callable:
+        def add(role: str, tensor: Tensor) -> None:
+            with _outside_capture():
+                tensor = tensor.detach()
+                for fmt, roles in self._measured:
+                    label, layout = roles[role]
+                    key = (name, role, label)
+                    stats = quant_stats(tensor, fmt, layout)
+                    sums[key] = stats if key not in sums else sums[key] + stats
+
+        def on_gradient(dy: Tensor) -> None:
+            dy2d = dy.reshape(-1, dy.shape[-1])
+            add("gradient", dy2d)
+            add("gradient_transpose", dy2d)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+                raise TypeError(f"instrument: {name} ({type(module).__name__}) must be called with the input "
+                                "tensor as its first argument and return a tensor; exclude it with modules=")
+            add("activation", args[0].reshape(-1, args[0].shape[-1]))
+            add("weight", read_weight(module))
+            if output.requires_grad:
+                output.register_hook(on_gradient)
+
+        return hook
+
+    # -- results -----------------------------------------------------------------------------
+    def dataset(self, case: str = "run", attrs: Mapping[str, Any] | None = None) -> xr.Dataset:
+        """The recorded steps as a run dataset (schema in docs/architecture.md): per-module sums,
+        and the per-layer metrics derived from them where module names carry a block index.
+        Attribute ``N`` is the attention matrices' size unless ``attrs`` sets it."""
+        if not self.steps:
+            raise ValueError("Recorder.dataset: no sampled step was recorded; wrap forward and backward "
+                             "in `with rec.step(i):` with i % sample_every == 0")
+        attention_modules = list(dict.fromkeys(name for step in self._attention for name in step))
+        if self.attention == "auto" and not attention_modules:
+            raise ValueError(
+                "instrument(attention='auto') recorded no attention matrix: the model has no "
+                "`attention_tap`, calls no F.scaled_dot_product_attention and no softmax over square "
+                "(..., N, N) scores on sampled steps. Pass attention=None to record GEMMs only, or call "
+                "rec.record_attention(phi_S) from a custom kernel")
+        modules = list(self.gemms)
+        sums = np.zeros((len(self.steps), len(modules), len(TENSOR_ROLES), len(self.labels), len(SUM_FIELDS)))
+        for i, step_sums in enumerate(self._sums):
+            for (module, role, label), stats in step_sums.items():
+                sums[i, modules.index(module), TENSOR_ROLES.index(role), self.labels.index(label)] = \
+                    stats.sums.double().cpu().numpy()
+        norms = np.full((len(self.steps), len(attention_modules)), np.nan)
+        for i, step_norms in enumerate(self._attention):
+            for name, values in step_norms.items():
+                norms[i, attention_modules.index(name)] = float(np.mean(values))
+        first_labels = [self.schemes[0].role_labels()[role] for role in TENSOR_ROLES]
+        attrs = {"nonfinite_layouts": ",".join(first_labels), **({"N": self.tokens} if self.tokens else {}),
+                 **(attrs or {})}
+        return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs)
+
+    def remove(self) -> None:
+        """Detach everything (a sampled step in progress is abandoned)."""
+        self._detach()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _select_gemms(model: nn.Module, patterns: Any) -> dict[str, tuple[nn.Module, WeightReader]]:
+    linear_like = {name: (module, reader) for name, module in model.named_modules()
+                   if (reader := weight_reader(module)) is not None}
+    if not linear_like:
+        kinds = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"instrument: {type(model).__name__} has no linear-like module (searched "
+                         f"{len(kinds)} module types: {', '.join(kinds[:12])}); register yours with "
+                         "precision_suite.register_linear(cls, weight=...)")
+    if patterns is None:
+        return linear_like
+    if isinstance(patterns, (str, re.Pattern)):
+        patterns = [patterns]
+    selected: dict[str, tuple[nn.Module, WeightReader]] = {}
+    for pattern in patterns:
+        if isinstance(pattern, re.Pattern):
+            hits = [name for name in linear_like if pattern.fullmatch(name)]
+        elif isinstance(pattern, str):
+            hits = fnmatch.filter(linear_like, pattern)
+        else:
+            raise TypeError(f"instrument: modules= takes globs or compiled regexes, got {pattern!r}")
+        if not hits:
+            shown = ", ".join(list(linear_like)[:8]) + (", ..." if len(linear_like) > 8 else "")
+            raise ValueError(f"instrument: modules pattern {getattr(pattern, 'pattern', pattern)!r} matches "
+                             f"none of the {len(linear_like)} linear-like modules ({shown})")
+        selected.update({name: linear_like[name] for name in hits})
+    return {name: selected[name] for name in linear_like if name in selected}  # model order
+
+
+def _attention_norm(attention: Tensor) -> float:
+    """Frobenius norm of each head's N x N matrix, mean over heads and batch (SCIENCE.md figure A)."""
+    with _outside_capture(), torch.no_grad():
+        return float(torch.linalg.matrix_norm(attention.detach().float(), ord="fro").mean())
+
+
+def _sdpa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> Tensor:
+    """softmax(Q K^T * scale + mask): the matrix F.scaled_dot_product_attention applies (same
+    signature); grouped-query keys are repeated to the query heads as the kernel does."""
+    q, k = query.detach().float(), key.detach().float()
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    n_query, n_key = scores.shape[-2:]
+    if is_causal:
+        visible = torch.ones(n_query, n_key, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask.float()
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
+
+
+_SOFTMAXES = {torch.softmax, F.softmax, Tensor.softmax, torch.special.softmax}
+
+
+class _AttentionCapture(TorchFunctionMode):
+    """On a sampled step: reads attention matrices from SDPA calls and square softmaxes."""
+
+    def __init__(self, recorder: Recorder, into: dict[str, list[float]]) -> None:
+        super().__init__()
+        self.recorder, self.into = recorder, into
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            self._record(_sdpa_attention(*args, **kwargs))
+        elif func in _SOFTMAXES and isinstance(out, Tensor) and out.ndim >= 3 \
+                and out.shape[-1] == out.shape[-2] and _softmax_dim(args, kwargs) in (-1, out.ndim - 1):
+            self._record(out)
+        return out
+
+    def _record(self, attention: Tensor) -> None:
+        stack = self.recorder._stack
+        self.recorder._add_attention(self.into, stack[-1] if stack else "", attention)
+
+
+def _softmax_dim(args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    return kwargs.get("dim", args[1] if len(args) > 1 else None)
+
+
+@contextmanager
+def _outside_capture() -> Iterator[None]:
+    """Measure with the capture mode popped: the measuring code's own ops are not attention, and
+    torch.compile'd quantizers then see the same (empty) mode stack as on any other call, so they
+    are not compiled a second time."""
+    if not any(isinstance(mode, _AttentionCapture) for mode in _mode_stack()):
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():  # private, but the one way to step out of a mode
+        yield
+
+
+def _mode_stack() -> list[Any]:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

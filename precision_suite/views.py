@@ -1,0 +1,135 @@
+"""Run datasets from per-module sums, and their two views: per layer and per module.
+
+A run records additive sums (``metrics.SUM_FIELDS``: counts and dot products) per sampled step,
+GEMM module, tensor role and layout (``module_sums``). Sums add, so a layer's numbers are its
+modules' sums added before any ratio is taken: ``run_dataset`` stores the per-layer metrics
+(figure B, what baselines and the calibrated comparison judge) derived exactly that way, and
+``module_view`` gives the same metrics per module (rules with ``module=...`` selectors, charts).
+Both go through ``metrics.metrics_from_sums``, the one definition of every metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from precision_suite.files import SCHEMA_VERSION
+from precision_suite.metric_table import METRICS, QUANT_METRICS
+from precision_suite.metrics import SUM_FIELDS, metrics_from_sums
+from precision_suite.probes import TENSOR_ROLES
+
+_NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
+QUANT_WHERE = ("step", "layer", "tensor", "layout")
+
+
+def layer_index(name: str) -> int:
+    """The block index in a module name: its first integer part ('blocks.3.attn.qkv' -> 3,
+    'model.layers.11.mlp.up_proj' -> 11); -1 outside any block ('head', 'embed')."""
+    for part in str(name).split("."):
+        if part.isdigit():
+            return int(part)
+    return -1
+
+
+def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[str], sums: np.ndarray,
+                attention_modules: Sequence[str], attention_norms: np.ndarray,
+                first_labels: Sequence[str], case: str, attrs: Mapping[str, Any]) -> xr.Dataset:
+    """The schema-3 dataset (docs/architecture.md).
+
+    sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
+    attention_norms: (step, attention module), NaN where nothing was recorded.
+    first_labels: per tensor role, the layout label of the first scheme (its NaN/Inf count).
+    """
+    module_layer = np.array([layer_index(m) for m in modules], dtype=np.int64)
+    attention_layer = np.array([layer_index(m) for m in attention_modules], dtype=np.int64)
+    steps = np.asarray(steps, dtype=np.int64)
+    sum_dims = ("step", "module", "tensor", "layout", "sum_field")
+    data_vars: dict[str, Any] = {
+        "module_sums": (sum_dims, sums, {
+            "long_name": "additive quantization sums per module", "units": "1",
+            "description": "counts and float64 dot products (sum_field) of each GEMM operand; a "
+                           "layer's metrics are its modules' sums added, then turned into ratios"}),
+    }
+    coords: dict[str, Any] = {
+        "step": steps,
+        "module": np.array(modules, dtype=object),
+        "module_layer": ("module", module_layer, {"description": "block index of the module, -1 outside blocks"}),
+        "tensor": np.array(TENSOR_ROLES, dtype=object),
+        "layout": np.array(labels, dtype=object),
+        "sum_field": np.array(SUM_FIELDS, dtype=object),
+    }
+    if len(attention_modules):
+        data_vars["module_attention_norm"] = (("step", "attention_module"), attention_norms,
+                                              METRICS["attention_norm"].attrs())
+        coords["attention_module"] = np.array(attention_modules, dtype=object)
+        coords["attention_module_layer"] = ("attention_module", attention_layer,
+                                            {"description": "block index of the attention module"})
+    layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
+    if layers:
+        coords["layer"] = np.array(layers, dtype=np.int64)
+        layer_sums = np.stack([sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
+        data_vars.update(_metric_vars(layer_sums, "layer", first_labels, labels))
+        if len(attention_modules):
+            norms = np.stack([_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1)
+            data_vars["attention_norm"] = (("step", "layer"), norms, METRICS["attention_norm"].attrs())
+    all_attrs = {"schema_version": SCHEMA_VERSION, "case": case, **attrs}
+    return xr.Dataset(data_vars, coords=coords, attrs=all_attrs)
+
+
+def module_view(ds: xr.Dataset) -> xr.Dataset:
+    """The run's metrics per module (dims step, module, tensor, layout), attention norms under
+    their attention modules' names; attrs as the run's."""
+    if "module_sums" not in ds:
+        raise ValueError(f"dataset {ds.attrs.get('case', '')!r} has no per-module sums (schema_version "
+                         f"{ds.attrs.get('schema_version')!r}; per-module numbers need {SCHEMA_VERSION})")
+    sums = ds["module_sums"].transpose("step", "module", "tensor", "layout", "sum_field").values
+    labels = [str(v) for v in ds["layout"].values]
+    first = _first_labels(ds)
+    view = xr.Dataset(dict(_metric_vars(sums, "module", first, labels)),
+                      coords={"step": ds["step"].values, "module": ds["module"].values,
+                              "tensor": ds["tensor"].values, "layout": ds["layout"].values},
+                      attrs=dict(ds.attrs))
+    if "module_attention_norm" in ds:
+        norms = ds["module_attention_norm"].rename(attention_module="module").drop_vars(
+            "attention_module_layer", errors="ignore")
+        view = xr.merge([view, norms.to_dataset(name="attention_norm")], join="outer",
+                        combine_attrs="override")
+    if "tokens" in ds.coords:
+        view = view.assign_coords(tokens=("step", ds["tokens"].values))
+    return view
+
+
+def _metric_vars(sums: np.ndarray, where: str, first_labels: Sequence[str],
+                 labels: Sequence[str]) -> dict[str, Any]:
+    """Metric variables over (step, <where>, tensor, layout) from sums of that shape (+ sum_field)."""
+    metrics = metrics_from_sums(sums)
+    dims = ("step", where, "tensor", "layout")
+    first = [labels.index(label) for label in first_labels]
+    roles = np.arange(len(TENSOR_ROLES))
+    first_sums = sums[:, :, roles, first]  # (step, where, tensor, field): the first scheme's layout
+    return {
+        **{name: (dims, metrics[name], METRICS[name].attrs()) for name in QUANT_METRICS},
+        "nonfinite": (dims[:3], first_sums[..., _NONFINITE].astype(np.int64), METRICS["nonfinite"].attrs()),
+        "numel": ((where, "tensor"), first_sums[0, ..., _NUMEL].astype(np.int64),
+                  {"long_name": "elements counted", "units": "1",
+                   "description": f"elements pooled into each {where}'s fractions per step"}),
+    }
+
+
+def _first_labels(ds: xr.Dataset) -> list[str]:
+    """Per tensor role, the layout label whose NaN/Inf count the run reports (the first scheme's)."""
+    labels = ds.attrs.get("nonfinite_layouts")
+    if isinstance(labels, str):
+        return labels.split(",")
+    raise ValueError(f"dataset {ds.attrs.get('case', '')!r} lacks attribute 'nonfinite_layouts'")
+
+
+def _nanmean(values: np.ndarray) -> np.ndarray:
+    """Mean over the last axis ignoring NaN; NaN (without a warning) where all are NaN."""
+    counts = np.sum(~np.isnan(values), axis=-1)
+    totals = np.nansum(values, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, totals / np.maximum(counts, 1), np.nan)
