@@ -8,6 +8,9 @@ tolerance overrides in `[tool.precision_suite]` of pyproject.toml.
 
 import pytest
 
+# the plugin tests (tests/test_plugin.py, tests/test_hf_llama.py) run inner pytest sessions
+pytest_plugins = ["pytester"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("precision_suite"):

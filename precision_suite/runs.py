@@ -14,7 +14,6 @@ import json
 import math
 import platform
 import re
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -53,7 +52,8 @@ class RunSpec:
     A user's model: ``model="mypkg.models:build"`` names a factory called as ``build(spec)`` that
     returns an ``nn.Module``, and ``batches="mypkg.data:batch"`` one called as
     ``batch(spec, generator)`` each step, returning (inputs, targets); the loss is the
-    cross-entropy of ``model(inputs)`` against ``targets`` (logits reshaped to one row per target).
+    cross-entropy of ``model(inputs)`` (or its ``.logits``, as Hugging Face models return) against
+    ``targets``, logits reshaped to one row per target.
     The size fields (depth, width, ...) are the factory's to read.
     """
 
@@ -286,7 +286,7 @@ class Trainer:
         """Train on one batch (measured by the recorder if ``sample``); returns (loss, accuracy)."""
         inputs, targets = self._batch()
         with self.recorder.step(index, sample=sample):
-            logits = self.model(inputs).reshape(targets.numel(), -1)
+            logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
             loss = F.cross_entropy(logits, targets)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
@@ -294,6 +294,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
         return loss.item(), accuracy
+
+
+def _logits(output: object) -> torch.Tensor:
+    """A model's logits: its output, or the ``logits`` field of a Hugging Face style output."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"model returned a {type(output).__name__}; return logits (a tensor) or an object "
+                         "with a .logits tensor")
+    return logits
 
 
 def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None) -> xr.Dataset:

@@ -14,7 +14,6 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
-from precision_suite.metric_table import QUANT_METRICS
 
 TENSORS = ("activation", "gradient", "gradient_transpose", "weight")
 LAYOUTS = ("1x128", "128x1", "128x128")

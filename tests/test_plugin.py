@@ -45,7 +45,6 @@ from precision_suite.files import safe_filename
 from precision_suite.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
-pytest_plugins = ["pytester"]
 
 TESTS_DIR = Path(__file__).resolve().parent
 PLANT_ENV = "PRECISION_SUITE_TEST_PLANT"  # "regression" or "drift": what the fake training plants
