@@ -486,9 +486,11 @@ def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int) -> xr.Dataset:
 
 
 def regenerate(specs: Sequence[Any], baseline_dir: str | os.PathLike, workers: int = 1,
-               progress: Any = None, seeds: Sequence[int] | None = None) -> list[tuple[Path, bool]]:
-    """Train every spec's ensemble (all cases' runs share one pool) and write each baseline that
-    changed; returns (path, written) per spec. Used by the command line and --precision-regen."""
+               progress: Any = None, seeds: Sequence[int] | None = None, *,
+               scheduler: str | None = None) -> list[tuple[Path, bool]]:
+    """Train every spec's ensemble (all cases' runs share one pool, or the Dask cluster at
+    `scheduler`) and write each baseline that changed; returns (path, written) per spec. Nothing
+    is written until every run has finished. Used by the command line and --precision-regen."""
     from precision_suite.ensemble import ENSEMBLE_SEEDS
     from precision_suite.execution import run_tasks
     from precision_suite.runs import case_id
@@ -496,7 +498,7 @@ def regenerate(specs: Sequence[Any], baseline_dir: str | os.PathLike, workers: i
     n_seeds = len(tuple(ENSEMBLE_SEEDS if seeds is None else seeds))
     per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
     flat = [task for tasks in per_spec for task in tasks]
-    results = run_tasks(flat, workers, progress)
+    results = run_tasks(flat, workers, progress, scheduler=scheduler)
     written, start = [], 0
     for spec, tasks in zip(specs, per_spec):
         ensemble = build_ensemble(results[start:start + len(tasks)], n_seeds)

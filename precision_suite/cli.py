@@ -16,7 +16,8 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Progress goes to stderr, the summary to stdout.")
     _add_selection(run)
     _add_checking(run)
-    run.add_argument("--workers", type=_workers, default=None, metavar="N",
-                     help="worker processes, one case each (default: the number of cores; 1 trains "
-                          "in this process with live progress)")
+    _add_execution(run)
     run.add_argument("--save-results", metavar="DIR",
                      help="also save each run as DIR/<case>.nc, for `compare` and `report` later")
     run.set_defaults(command_func=_cmd_run)
@@ -114,8 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "leave the file untouched. Review the change (git diff --stat baselines/) "
                     "before committing it.")
     _add_selection(update)
-    update.add_argument("--workers", type=_workers, default=None, metavar="N",
-                        help="worker processes for the ensemble runs (default: the number of cores)")
+    _add_execution(update)
     update.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
                         help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
     update.set_defaults(command_func=_cmd_baseline_update)
@@ -132,8 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checking(calibrate)
     calibrate.add_argument("--held-out-seeds", type=_seed, nargs="+", default=[100, 101, 102],
                            metavar="S", help="seeds outside the ensemble (default: 100 101 102)")
-    calibrate.add_argument("--workers", type=_workers, default=None, metavar="N",
-                           help="worker processes (default: the number of cores)")
+    _add_execution(calibrate)
     calibrate.set_defaults(command_func=_cmd_calibrate)
 
     report = commands.add_parser(
@@ -169,6 +166,18 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
                        help="only the I-th of N shards of the selection (cases dealt round-robin "
                             "in matrix order: every case in exactly one shard); merge the shards' "
                             "saved results with `precision-suite report DIR1 DIR2 ...`")
+
+
+def _add_execution(parser: argparse.ArgumentParser) -> None:
+    from precision_suite.execution import DASK_INSTALL_HINT
+
+    group = parser.add_argument_group("where the runs train (the numbers are the same either way)")
+    group.add_argument("--workers", type=_workers, default=None, metavar="N",
+                       help="local worker processes, one run each (default: the number of cores; "
+                            "`run --workers 1` trains in this process with live progress)")
+    group.add_argument("--scheduler", type=_scheduler, default=None, metavar="tcp://HOST:PORT",
+                       help="send each run to the Dask cluster of this scheduler instead "
+                            f"(needs {DASK_INSTALL_HINT}; see docs/ci.md)")
 
 
 def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
@@ -216,6 +225,15 @@ def _workers(text: str) -> int:
     return value
 
 
+def _scheduler(text: str) -> str:
+    from precision_suite.execution import scheduler_address
+
+    try:
+        return scheduler_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _missing_action(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
     return EXIT_USAGE
@@ -225,9 +243,10 @@ def _missing_action(parser: argparse.ArgumentParser) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from precision_suite import baselines, execution, files, runs
+    from precision_suite import baselines, files, runs
 
     specs = _selected_specs(args)
+    where = _execution(args)
     if args.save_results and Path(args.save_results).resolve() == Path(args.baseline_dir).resolve():
         raise UsageError(f"--save-results {args.save_results} is the baseline folder: results would "
                          "replace baselines before they are judged; save them elsewhere and use "
@@ -240,7 +259,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                            _regen_command(args, case))
     report_dir = _report_dir(args.report_dir)
     verdicts, datasets = [], {}
-    for spec, ds in zip(specs, _train_all(runs, specs, args.workers or execution.default_workers())):
+    for spec, ds in zip(specs, _train_all(runs, specs, where)):
         case = runs.case_id(spec)
         if args.save_results:
             files.save_dataset(ds, _result_path(args.save_results, case))
@@ -265,17 +284,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_baseline_update(args: argparse.Namespace) -> int:
-    from precision_suite import baselines, execution, runs
+    from precision_suite import baselines
 
     specs = _selected_specs(args)
-    workers = args.workers or execution.default_workers()
+    where = _execution(args)
     n_tasks = sum(len(baselines.ensemble_tasks(spec)) for spec in specs)
     print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and their first-step rounding "
-          f"perturbations) on {workers} worker(s)", file=sys.stderr, flush=True)
-    try:
-        written = baselines.regenerate(specs, args.baseline_dir, workers, _task_progress(n_tasks))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+          f"perturbations) {_describe(where, n_tasks)}", file=sys.stderr, flush=True)
+    with _execution_errors(where):  # raised before any baseline is written
+        written = baselines.regenerate(specs, args.baseline_dir, where["workers"],
+                                       _task_progress(n_tasks), scheduler=where["scheduler"])
     for path, changed in written:
         print(f"{'wrote' if changed else 'unchanged'} {path}")
     print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {args.baseline_dir}` "
@@ -291,6 +309,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from precision_suite.execution import Task
 
     specs = _selected_specs(args)
+    where = _execution(args)
     rules, tolerances = _load_rules(args.rules)
     references = {runs.case_id(s): _load_reference(_baselines(), args.baseline_dir, runs.case_id(s),
                                                    s.to_json(), _regen_command(args, runs.case_id(s)))
@@ -300,9 +319,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in args.held_out_seeds]
     tasks = [Task(dataclasses.replace(spec, **changes), env, label)
              for spec in specs for label, changes, env in perturbations]
-    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations", file=sys.stderr)
-    results = execution.run_tasks(tasks, args.workers or execution.default_workers(),
-                                  _task_progress(len(tasks)))
+    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations "
+          f"{_describe(where, len(tasks))}", file=sys.stderr)
+    with _execution_errors(where):
+        results = execution.run_tasks(tasks, where["workers"], _task_progress(len(tasks)),
+                                      scheduler=where["scheduler"])
     report_dir = _report_dir(args.report_dir)
     verdicts, table = [], []
     for task, ds in zip(tasks, results):
@@ -536,19 +557,48 @@ def _regen_command(args: argparse.Namespace, case: str) -> str:
 # --------------------------------------------------------------------------- training and judging
 
 
-def _train_all(runs: Any, specs: list, workers: int) -> list:
-    """Every spec's run: serially with live per-step progress, or in a pool of `workers`
-    processes with a line per finished case (identical numbers either way)."""
+def _train_all(runs: Any, specs: list, where: dict) -> list:
+    """Every spec's run: serially with live per-step progress, or in a pool of worker processes
+    or on a Dask cluster with a line per finished case (identical numbers either way)."""
     from precision_suite import execution
 
-    if workers == 1 or len(specs) == 1:
+    if where["scheduler"] is None and (where["workers"] == 1 or len(specs) == 1):
         return [_train(runs, spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}")
                 for i, spec in enumerate(specs, 1)]
-    print(f"training {len(specs)} case(s) on {min(workers, len(specs))} worker processes",
-          file=sys.stderr, flush=True)
+    print(f"training {len(specs)} case(s) {_describe(where, len(specs))}", file=sys.stderr, flush=True)
+    with _execution_errors(where):
+        return execution.run_tasks([execution.Task(spec) for spec in specs], where["workers"],
+                                   _task_progress(len(specs)), scheduler=where["scheduler"])
+
+
+def _execution(args: argparse.Namespace) -> dict:
+    """Where the runs train: {"workers": N, "scheduler": address or None} from the flags."""
+    from precision_suite import execution
+
+    if args.scheduler is not None and args.workers is not None:
+        raise UsageError(f"--workers {args.workers} trains in local processes, --scheduler "
+                         f"{args.scheduler} on the Dask cluster's workers; give one of them (size "
+                         "a cluster with `dask worker ADDRESS --nworkers N --nthreads 1`)")
+    return {"workers": args.workers or execution.default_workers(), "scheduler": args.scheduler}
+
+
+def _describe(where: dict, n_tasks: int) -> str:
+    if where["scheduler"] is not None:
+        return f"on the Dask cluster at {where['scheduler']}"
+    if where["workers"] == 1 or n_tasks <= 1:
+        return "in this process"
+    return f"on {min(where['workers'], n_tasks)} worker processes"
+
+
+@contextmanager
+def _execution_errors(where: dict) -> Iterator[None]:
+    """Errors of execution.run_tasks as one-line usage errors (status 2)."""
+    from precision_suite.execution import ExecutorError
+
     try:
-        return execution.run_tasks([execution.Task(spec) for spec in specs], workers,
-                                   _task_progress(len(specs)))
+        yield
+    except ExecutorError as exc:  # Dask missing, scheduler unreachable, a worker process died
+        raise UsageError(f"--scheduler: {exc}" if where["scheduler"] else str(exc)) from None
     except ValueError as exc:  # e.g. --device cuda on a machine without CUDA
         raise UsageError(str(exc)) from None
 

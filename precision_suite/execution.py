@@ -1,25 +1,41 @@
 """Where runs execute: one function for every command that trains several runs.
 
-`run_tasks(tasks, workers)` trains each `Task` (a RunSpec plus environment variables such as
-PRECISION_SUITE_COMPILE=0) serially in this process (workers=1) or in a pool of spawned worker
-processes (each pins its own threads through RunSpec.threads). Results come back in task order
-and are identical to a serial run: every run seeds its own RNG and pins its thread count.
+`run_tasks(tasks, workers, scheduler=...)` trains each `Task` (a RunSpec plus environment variables
+such as PRECISION_SUITE_COMPILE=0) serially in this process (workers=1), in a pool of spawned
+worker processes, or, given the address of a Dask scheduler (`tcp://HOST:PORT`, the optional
+`dask` extra), as one Dask task each on that cluster's workers. Results come back in task order
+and are identical to a serial run on the same machine: every run seeds its own RNG and pins its
+thread count, wherever it executes.
+
+This module imports neither torch nor Dask at import time, so the command line can check a
+scheduler address while it parses its arguments.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xarray as xr
+if TYPE_CHECKING:
+    import xarray as xr
 
-from precision_suite import runs
-from precision_suite.runs import RunSpec
+    from precision_suite.runs import RunSpec
+
+DASK_INSTALL_HINT = 'pip install "precision-suite[dask]"'
+CONNECT_TIMEOUT_S = 5.0  # a scheduler answers in milliseconds; an address that is wrong never does
+_SCHEDULER_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
+
+Done = Callable[[int, "Task", float], None]
 
 
 @dataclass(frozen=True)
@@ -27,6 +43,10 @@ class Task:
     spec: RunSpec
     env: Mapping[str, str] = field(default_factory=dict)
     label: str = ""
+
+
+class ExecutorError(RuntimeError):
+    """The runs could not be executed: Dask missing, no scheduler at the address, workers lost."""
 
 
 @contextmanager
@@ -44,35 +64,139 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def run_task(task: Task) -> xr.Dataset:
+    from precision_suite import runs
+
     with _environment(task.env):
         return runs.run(task.spec)
+
+
+# A run sets process-wide state (torch's thread count, os.environ), so a Dask worker started with
+# several threads must still train one run at a time to give the numbers of a serial run.
+_ONE_RUN_AT_A_TIME = threading.Lock()
+
+
+def run_task_exclusively(task: Task) -> xr.Dataset:
+    """`run_task`, one at a time per process: what each Dask task calls on its worker."""
+    with _ONE_RUN_AT_A_TIME:
+        return run_task(task)
 
 
 def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def run_tasks(tasks: Sequence[Task], workers: int = 1,
-              done: Callable[[int, Task, float], None] | None = None) -> list[xr.Dataset]:
-    """Train every task; `done(index, task, seconds)` after each one (progress)."""
-    import time
+def scheduler_address(text: str) -> str:
+    """`text` if it is a Dask scheduler address `tcp://HOST:PORT`; ValueError saying how to write one."""
+    match = _SCHEDULER_ADDRESS.fullmatch(text)
+    if match is None or not 1 <= int(match[2]) <= 65535:
+        raise ValueError(f"{text!r} is not a Dask scheduler address; write tcp://HOST:PORT as "
+                         "`dask scheduler` prints it, e.g. tcp://10.0.0.5:8786")
+    return text
 
+
+def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None, *,
+              scheduler: str | None = None) -> list[xr.Dataset]:
+    """Train every task and return the datasets in task order; `done(index, task, seconds)` after
+    each one, in the order they finish (progress).
+
+    `scheduler` (`tcp://HOST:PORT`) sends each task to that Dask cluster and `workers` is unused;
+    otherwise `workers` > 1 trains in a pool of that many local processes. ExecutorError when the
+    cluster cannot be reached or a worker process dies, ValueError for a bad argument.
+    """
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    results: list[Any] = [None] * len(tasks)
     started = time.monotonic()
+    if scheduler is not None:
+        return _run_on_dask(tasks, scheduler_address(scheduler), done, started)
     if workers == 1 or len(tasks) <= 1:
+        results = []
         for index, task in enumerate(tasks):
-            results[index] = run_task(task)
+            results.append(run_task(task))
             if done:
                 done(index, task, time.monotonic() - started)
         return results
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
         futures = {pool.submit(run_task, task): index for index, task in enumerate(tasks)}
-        for future in concurrent.futures.as_completed(futures):
-            index = futures[future]
+        return _gather(tasks, futures, concurrent.futures.as_completed(futures), done, started,
+                       lost=(BrokenProcessPool,))
+
+
+def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterable[Any],
+            done: Done | None, started: float, lost: tuple[type[BaseException], ...]) -> list[Any]:
+    """The results of `futures` (future -> task index) in task order, taken as `finished` yields
+    them (a pool's or Dask's as_completed); `lost`: the errors meaning that a worker process or
+    the scheduler went away with the run."""
+    from precision_suite.runs import case_id
+
+    results: list[Any] = [None] * len(tasks)
+    for future in finished:
+        index = futures[future]
+        try:
             results[index] = future.result()
-            if done:
-                done(index, tasks[index], time.monotonic() - started)
+        except lost as exc:
+            task = tasks[index]
+            detail = " ".join(str(exc).split())  # Dask's messages run over several lines
+            raise ExecutorError(f"lost the run of {case_id(task.spec)} {task.label}".rstrip()
+                                + f" ({type(exc).__name__}: {detail}); look for the cause (a worker out "
+                                "of memory? the scheduler stopped?) in the logs of the workers") from exc
+        if done:
+            done(index, tasks[index], time.monotonic() - started)
     return results
+
+
+def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started: float) -> list[Any]:
+    try:
+        import distributed
+    except ImportError as exc:
+        raise ExecutorError(f"running on a Dask cluster needs dask.distributed, which is not "
+                            f"installed ({exc}); install it with: {DASK_INSTALL_HINT}") from None
+    _check_scheduler(address)
+    try:
+        client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise ExecutorError(_unreachable(address, exc)) from None
+    with client:
+        try:
+            client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            raise ExecutorError(f"the Dask scheduler at {address} has no workers; start some with "
+                                f"`dask worker {address} --nthreads 1`") from None
+        # pure=False: two equal tasks are two runs. The scheduler gives a lost worker's tasks to
+        # other workers, up to distributed.scheduler.allowed-failures times, then KilledWorker;
+        # a lost scheduler cancels every future.
+        futures = {client.submit(run_task_exclusively, task, pure=False): index
+                   for index, task in enumerate(tasks)}
+        finished = distributed.as_completed(futures, loop=client.loop)  # not the default client's
+        return _gather(tasks, futures, finished, done, started,
+                       lost=(distributed.KilledWorker, distributed.CancelledError))
+
+
+def _check_scheduler(address: str) -> None:
+    """Ask `address` who it is, within CONNECT_TIMEOUT_S. distributed.Client would wait forever on
+    a server that accepts connections and never answers, and fail with odd errors (a MemoryError)
+    on one that speaks another protocol."""
+    from distributed.core import rpc
+
+    async def identity() -> dict:
+        async with rpc(address, timeout=CONNECT_TIMEOUT_S) as server:
+            return await server.identity()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:  # an event loop of its own, whatever
+            info = thread.submit(                                  # loop the caller's thread runs
+                asyncio.run, asyncio.wait_for(identity(), CONNECT_TIMEOUT_S)).result()
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise ExecutorError(_unreachable(address, exc)) from None
+    except Exception as exc:  # whatever a server of another protocol makes the Dask comm raise
+        raise ExecutorError(f"the server at {address} does not answer as a Dask scheduler "
+                            f"({type(exc).__name__}: {exc}); give the address `dask scheduler` "
+                            "prints") from None
+    if info.get("type") != "Scheduler":
+        raise ExecutorError(f"{address} is a Dask {info.get('type', 'server')}, not a scheduler; "
+                            "give the address `dask scheduler` prints")
+
+
+def _unreachable(address: str, exc: BaseException) -> str:
+    return (f"no Dask scheduler answered at {address} within {CONNECT_TIMEOUT_S:g} s "
+            f"({str(exc) or type(exc).__name__}); check the address, or start one with `dask scheduler`")
