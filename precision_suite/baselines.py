@@ -466,14 +466,17 @@ def ensemble_tasks(spec: Any, seeds: Sequence[int] | None = None) -> list:
     from precision_suite.ensemble import ENSEMBLE_SEEDS, ROUNDING_PERTURBATIONS
     from precision_suite.execution import Task
 
+    from precision_suite.runs import case_id
+
     seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
-    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"seed {seed}") for seed in seeds]
+    case = case_id(spec)  # a first-step twin is another case by its own id: progress names this one
+    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}") for seed in seeds]
     for perturbation in ROUNDING_PERTURBATIONS:
         changes = {k: v for k, v in perturbation.items() if k != "env"}
         for seed in seeds:
             twin = dataclasses.replace(spec, seed=seed, steps=1, **changes)
             tasks.append(Task(twin, env=perturbation.get("env", {}),
-                              label=f"seed {seed} first step, {perturbation}"))
+                              label=f"{case} seed {seed} first step, {perturbation}"))
     return tasks
 
 

@@ -317,8 +317,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     perturbations = [("threads=2", {"threads": 2}, {}),
                      ("PRECISION_SUITE_COMPILE=0", {}, {"PRECISION_SUITE_COMPILE": "0"})]
     perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in args.held_out_seeds]
-    tasks = [Task(dataclasses.replace(spec, **changes), env, label)
-             for spec in specs for label, changes, env in perturbations]
+    runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{runs.case_id(spec)} {label}"))
+                     for spec in specs for label, changes, env in perturbations]
+    tasks = [task for _, _, task in runs_to_judge]
     print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations "
           f"{_describe(where, len(tasks))}", file=sys.stderr)
     with _execution_errors(where):
@@ -326,12 +327,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                                       scheduler=where["scheduler"])
     report_dir = _report_dir(args.report_dir)
     verdicts, table = [], []
-    for task, ds in zip(tasks, results):
-        case = runs.case_id(task.spec)
-        ds = ds.assign_attrs(case=f"{case} [{task.label}]")
+    for (spec, label, _), ds in zip(runs_to_judge, results):
+        case = runs.case_id(spec)
+        ds = ds.assign_attrs(case=f"{case} [{label}]")
         files.save_dataset(ds, report_dir / "results" / f"{files.safe_filename(ds.attrs['case'])}.nc")
-        _tabulate(table, verdicts, case, task.label, _judge(case, ds, references[case], rules, tolerances,
-                                                           report_dir))
+        _tabulate(table, verdicts, case, label, _judge(case, ds, references[case], rules, tolerances,
+                                                     report_dir))
     for case, reference in references.items():  # free held-out runs: each member against the rest
         if len(ensemble.ensemble_seeds(reference)) < 3:
             continue  # one seed left: no spread to judge by
@@ -604,16 +605,15 @@ def _execution_errors(where: dict) -> Iterator[None]:
 
 
 def _task_progress(total: int) -> Callable[[int, Any, float], None]:
-    """execution.run_tasks' `done` callback: one stderr line per finished task, counted in the
-    order they finish (a pool finishes them out of order)."""
+    """execution.run_tasks' `done` callback: one stderr line per finished task (its label, or its
+    case id), counted in the order they finish (a pool finishes them out of order)."""
     from precision_suite import runs
 
     finished = [0]
 
     def done(_index: int, task: Any, seconds: float) -> None:
         finished[0] += 1
-        label = f" {task.label}" if task.label else ""
-        print(f"[{finished[0]}/{total}] {runs.case_id(task.spec)}{label} ({seconds:.0f} s so far)",
+        print(f"[{finished[0]}/{total}] {task.label or runs.case_id(task.spec)} ({seconds:.0f} s so far)",
               file=sys.stderr, flush=True)
 
     return done

@@ -36,10 +36,14 @@ CONNECT_TIMEOUT_S = 5.0  # a scheduler answers in milliseconds; an address that 
 _SCHEDULER_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
 
 Done = Callable[[int, "Task", float], None]
+FORWARDED_ENV_PREFIX = "PRECISION_SUITE_"
 
 
 @dataclass(frozen=True)
 class Task:
+    """One run: its spec, environment variables set around it, and what progress lines call it
+    (default: its case id)."""
+
     spec: RunSpec
     env: Mapping[str, str] = field(default_factory=dict)
     label: str = ""
@@ -107,6 +111,10 @@ def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None,
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     started = time.monotonic()
     if scheduler is not None:
+        # a remote worker does not see this process's PRECISION_SUITE_* settings (user recipes,
+        # PRECISION_SUITE_COMPILE): they travel with each task; a task's own env wins
+        forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIX)}
+        tasks = [Task(task.spec, {**forwarded, **task.env}, task.label) for task in tasks]
         return _run_on_dask(tasks, scheduler_address(scheduler), done, started)
     if workers == 1 or len(tasks) <= 1:
         results = []
@@ -137,7 +145,7 @@ def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterabl
         except lost as exc:
             task = tasks[index]
             detail = " ".join(str(exc).split())  # Dask's messages run over several lines
-            raise ExecutorError(f"lost the run of {case_id(task.spec)} {task.label}".rstrip()
+            raise ExecutorError(f"lost the run of {task.label or case_id(task.spec)}"
                                 + f" ({type(exc).__name__}: {detail}); look for the cause (a worker out "
                                 "of memory? the scheduler stopped?) in the logs of the workers") from exc
         if done:

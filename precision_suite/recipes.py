@@ -68,6 +68,9 @@ class Operand:
         """Quantize-dequantize the 2-D operand (float32 in, float32 out)."""
         if self.fmt == HIGH_PRECISION:
             return x2d
+        # autograd.Function.forward gets inputs that still require grad; detached, the compiled
+        # quantizer serves them with the graphs of the recorder's (detached) measurements
+        x2d = x2d.detach()
         if self.rounding == "nearest":
             return quantize(x2d, self.fmt, self.layout).dequantized
         if generator is None:

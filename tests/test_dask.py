@@ -359,7 +359,7 @@ def test_a_run_lost_with_its_worker_or_scheduler_is_one_clear_error(error):
 
     future = Lost()
     with pytest.raises(execution.ExecutorError) as raised:
-        execution._gather([Task(runs.RunSpec(model="vit"), label="seed 3")], {future: 0}, [future], None, 0.0,
+        execution._gather([Task(runs.RunSpec(model="vit"), label="vit-softmax-fp32 seed 3")], {future: 0}, [future], None, 0.0,
                           lost=(distributed.KilledWorker, distributed.CancelledError))
     message = str(raised.value)
     assert message.startswith(f"lost the run of vit-softmax-fp32 seed 3 ({type(error).__name__}: ")
