@@ -504,6 +504,10 @@ def _config_specs(path: Path) -> list:
     from precision_suite.runs import RunSpec
 
     table = _read_toml(path)
+    cases = table.get("case")
+    if not isinstance(cases, list) or not cases:
+        raise UsageError(f"{path}: no [[case]] tables; write one per run, e.g.\n"
+                         '[[case]]\nmodel = "vit"\nattention = "softmax"\nrecipe = "fp32"')
     unknown_tables = sorted(set(table) - {"case", "recipes"})
     if unknown_tables:
         raise UsageError(f"{path}: unknown top-level key(s) {', '.join(unknown_tables)}; a config has "
@@ -513,10 +517,6 @@ def _config_specs(path: Path) -> list:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     os.environ.update(recipes.recipes_environment(declared))
-    cases = table.get("case")
-    if not isinstance(cases, list) or not cases:
-        raise UsageError(f"{path}: no [[case]] tables; write one per run, e.g.\n"
-                         '[[case]]\nmodel = "vit"\nattention = "softmax"\nrecipe = "fp32"')
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     specs = []
     for number, case in enumerate(cases, 1):

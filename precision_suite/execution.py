@@ -111,10 +111,6 @@ def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None,
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     started = time.monotonic()
     if scheduler is not None:
-        # a remote worker does not see this process's PRECISION_SUITE_* settings (user recipes,
-        # PRECISION_SUITE_COMPILE): they travel with each task; a task's own env wins
-        forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIX)}
-        tasks = [Task(task.spec, {**forwarded, **task.env}, task.label) for task in tasks]
         return _run_on_dask(tasks, scheduler_address(scheduler), done, started)
     if workers == 1 or len(tasks) <= 1:
         results = []
@@ -153,6 +149,13 @@ def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterabl
     return results
 
 
+def _with_local_settings(task: Task) -> Task:
+    """`task` carrying this process's PRECISION_SUITE_* settings (user recipes, COMPILE=0), which a
+    remote worker does not see otherwise; the task's own env wins."""
+    forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIX)}
+    return Task(task.spec, {**forwarded, **task.env}, task.label)
+
+
 def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started: float) -> list[Any]:
     try:
         import distributed
@@ -173,7 +176,7 @@ def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started
         # pure=False: two equal tasks are two runs. The scheduler gives a lost worker's tasks to
         # other workers, up to distributed.scheduler.allowed-failures times, then KilledWorker;
         # a lost scheduler cancels every future.
-        futures = {client.submit(run_task_exclusively, task, pure=False): index
+        futures = {client.submit(run_task_exclusively, _with_local_settings(task), pure=False): index
                    for index, task in enumerate(tasks)}
         finished = distributed.as_completed(futures, loop=client.loop)  # not the default client's
         return _gather(tasks, futures, finished, done, started,
