@@ -32,7 +32,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -119,6 +119,8 @@ class Recorder:
         self._attention: list[dict[str, list[float]]] = []
         self._stack: list[str] = []  # names of the modules running now (attention attribution)
         self._handles: list[Any] = []
+        self._sampling = False  # inside a sampled step
+        self._current_attention: dict[str, list[float]] = defaultdict(list)
         self.tokens = 0  # N: the largest attention matrix seen (bounds such as sqrt(N) need it)
 
     # -- measuring ---------------------------------------------------------------------------
@@ -130,14 +132,14 @@ class Recorder:
         if not sampled:
             yield False
             return
-        if self._handles:
+        if self._sampling:
             raise RuntimeError("Recorder.step: steps do not nest; finish the current one first")
         sums: dict[tuple[str, str, str], QuantStats] = {}
         attention: dict[str, list[float]] = defaultdict(list)
         intercepted: dict[str, list[float]] = defaultdict(list)
         self._attach(sums, attention, intercepted)
         try:
-            with _AttentionCapture(self, intercepted) if self.attention == "auto" else _nothing():
+            with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext():
                 yield True
         finally:
             self._detach()
@@ -152,7 +154,7 @@ class Recorder:
     def record_attention(self, attention: Tensor, module: str | nn.Module | None = None) -> None:
         """Record phi(S) (..., N, N) of a custom kernel for ``module`` (default: the innermost
         module running now). Only on sampled steps; a no-op otherwise."""
-        if not self._handles:
+        if not self._sampling:
             return
         name = self.names.get(id(module)) if isinstance(module, nn.Module) else module
         name = name if name is not None else (self._stack[-1] if self._stack else "")
@@ -172,7 +174,7 @@ class Recorder:
             for name, module in self.model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
                 self._handles.append(module.register_forward_hook(lambda *_: self._leave()))
-        self._handles.append(None)  # marks "attached" even for a model with no hooks to add
+        self._sampling = True
 
     # module hooks: a hook that returns a value replaces the module's input or output, so None
     def _enter(self, name: str) -> None:
@@ -183,11 +185,10 @@ class Recorder:
 
     def _detach(self) -> None:
         for handle in self._handles:
-            if handle is not None:
-                handle.remove()
+            handle.remove()
         for _, module in self.taps:
             module.attention_tap = None
-        self._handles, self._stack = [], []
+        self._handles, self._stack, self._sampling = [], [], False
 
     def _gemm_hook(self, name: str, read_weight: WeightReader, sums: dict) -> Callable:
         def add(role: str, tensor: Tensor) -> None:
@@ -231,18 +232,20 @@ class Recorder:
                 "(..., N, N) scores on sampled steps. Pass attention=None to record GEMMs only, or call "
                 "rec.record_attention(phi_S) from a custom kernel")
         modules = list(self.gemms)
+        where = {name: i for i, name in enumerate(modules)}
+        roles = {role: i for i, role in enumerate(TENSOR_ROLES)}
+        layouts = {label: i for i, label in enumerate(self.labels)}
         sums = np.zeros((len(self.steps), len(modules), len(TENSOR_ROLES), len(self.labels), len(SUM_FIELDS)))
         for i, step_sums in enumerate(self._sums):
             for (module, role, label), stats in step_sums.items():
-                sums[i, modules.index(module), TENSOR_ROLES.index(role), self.labels.index(label)] = \
-                    stats.sums.double().cpu().numpy()
+                sums[i, where[module], roles[role], layouts[label]] = stats.sums.double().cpu().numpy()
+        attention_index = {name: i for i, name in enumerate(attention_modules)}
         norms = np.full((len(self.steps), len(attention_modules)), np.nan)
         for i, step_norms in enumerate(self._attention):
             for name, values in step_norms.items():
-                norms[i, attention_modules.index(name)] = float(np.mean(values))
+                norms[i, attention_index[name]] = float(np.mean(values))
         first_labels = [self.schemes[0].role_labels()[role] for role in TENSOR_ROLES]
-        attrs = {"nonfinite_layouts": ",".join(first_labels), **({"N": self.tokens} if self.tokens else {}),
-                 **(attrs or {})}
+        attrs = {**({"N": self.tokens} if self.tokens else {}), **(attrs or {})}
         return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs)
 
     def remove(self) -> None:
@@ -353,7 +356,3 @@ def _outside_capture() -> Iterator[None]:
 def _mode_stack() -> list[Any]:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

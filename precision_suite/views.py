@@ -75,7 +75,7 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         if len(attention_modules):
             norms = np.stack([_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1)
             data_vars["attention_norm"] = (("step", "layer"), norms, METRICS["attention_norm"].attrs())
-    all_attrs = {"schema_version": SCHEMA_VERSION, "case": case, **attrs}
+    all_attrs = {"schema_version": SCHEMA_VERSION, "case": case, "nonfinite_layouts": ",".join(first_labels), **attrs}
     return xr.Dataset(data_vars, coords=coords, attrs=all_attrs)
 
 
