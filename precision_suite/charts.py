@@ -24,14 +24,20 @@ import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
 
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file
+from precision_suite.findings import severity
 from precision_suite.metric_table import METRICS
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
+# drift panels per chart, worst first: a case with hundreds of findings made 17-panel charts of
+# 1.2 MB that no one scrolls through; the rest are named on the chart and listed in the report
+MAX_DRIFT_PANELS = 6
+PNG_COLOURS = 256  # PNGs are stored with a palette: a third of the bytes, no visible change
 
 X_LABELS = {"step": "training step", "tokens": "tokens seen", "train_step": "training step"}
 
@@ -52,7 +58,8 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
     """Figure A: attention norm (log y) over `x`, one panel per layer, one line per dataset.
 
     `datasets` maps a line label (usually the attention variant) to a run dataset. Default layers:
-    an early one (layer 1 where the model has it) and the last.
+    an early one (layer 1 where the model has it) and the last. A softmax run that records N gets
+    its bound sqrt(N) drawn dotted in its colour.
     """
     if not datasets:
         raise ValueError("plot_attention_norm: `datasets` is empty; pass {label: run dataset}")
@@ -61,7 +68,7 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
     for label, ds in datasets.items():
         _require_variables(ds, ("attention_norm",), f"dataset {label!r}")
     first = next(iter(datasets.values()))
-    layers = _default_attention_layers(first) if layers is None else list(layers)
+    layers = default_attention_layers(first) if layers is None else list(layers)
     for label, ds in datasets.items():
         _require_layers(ds, layers, f"dataset {label!r}")
 
@@ -73,9 +80,14 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
             values = ds["attention_norm"].sel(layer=layer).values.astype(float)
             hidden += int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))
             ax.plot(ds[x].values, values, color=colour, label=label, linewidth=1.6)
+        for colour, (label, ds) in zip(colours, datasets.items()):
+            bound = _softmax_bound(ds)
+            if bound is not None:  # each row of softmax(S) is a probability vector
+                ax.axhline(bound, color=colour, linestyle=":", linewidth=1.2,
+                           label=f"{label} bound √N = {bound:.4g}")
         ax.set_yscale("log")
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel(X_LABELS[x])
+        _set_x_axis(ax, x)
         ax.set_ylabel(METRICS["attention_norm"].axis_label)
         ax.grid(True, which="major", alpha=0.3)
         _note_hidden_points(ax, hidden, "NaN/Inf/non-positive")
@@ -104,9 +116,10 @@ def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
     for row, metric in zip(axes, QUANT_ROWS):
         for ax, (tensor, layout, title) in zip(row, QUANT_PANELS):
             ax.set_title(title.format(metric=metric))
-            ax.set_xlabel(X_LABELS["tokens"])
+            _set_x_axis(ax, "tokens")
             ax.set_ylabel(METRICS[metric].axis_label)
             ax.grid(True, alpha=0.3)
+            ax.ticklabel_format(axis="y", useOffset=False)  # 0.99968, not 1e-5 + 9.996e-1
             values = _select_pair(ds[metric], tensor, layout)
             if values is None or not np.isfinite(values.values).any():
                 ax.text(0.5, 0.5, f"{tensor} {layout}\nnot measured in this run",
@@ -135,6 +148,10 @@ class _DriftPanel:
     fixed: tuple[tuple[str, object], ...]
     findings: tuple
 
+    @property
+    def title(self) -> str:
+        return " ".join([self.metric] + [str(value) for _, value in self.fixed])
+
 
 def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Sequence,
                path: str | os.PathLike | None = None, band: ToleranceBand | None = None) -> Figure:
@@ -148,7 +165,8 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     `precision_suite.baselines.tolerance_band` with the default tolerances.
     """
     case = current.attrs.get("case", "run")
-    panels = _drift_panels(current, findings)
+    every_panel = _drift_panels(current, findings)
+    panels, left_out = every_panel[:MAX_DRIFT_PANELS], every_panel[MAX_DRIFT_PANELS:]
     if band is None:  # late import: only drift charts need the comparison machinery
         from precision_suite.baselines import tolerance_band as band
     fig, axes = _new_figure(len(panels) or 1, 1, panel_size=(9.0, 3.6))
@@ -159,8 +177,14 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
                 transform=ax.transAxes)
     for (ax,), panel in zip(axes, panels):
         _draw_drift_panel(ax, panel, current, baseline, band)
+    if left_out:
+        names = ", ".join(panel.title for panel in left_out[:4]) + (", ..." if len(left_out) > 4 else "")
+        fig.text(0.01, 0.0, f"{len(left_out)} more panel(s) with findings not drawn ({names}); "
+                 "every finding is in the report's table", fontsize=8, ha="left", va="bottom",
+                 color="tab:red")
     kind = "against its baseline" if baseline is not None else "against its thresholds"
-    fig.suptitle(f"{case}: current run {kind}")
+    fig.suptitle(f"{case}: current run {kind}"
+                 + (f" (the {len(panels)} worst of {len(every_panel)} panels)" if left_out else ""))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -169,17 +193,35 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Write `fig` atomically (temp file + rename) with byte-identical output for equal figures.
 
-    The format follows the suffix (.png, .svg, .pdf).
+    The format follows the suffix (.png, .svg, .pdf). PNGs get a palette of PNG_COLOURS colours
+    (lines, text and shaded bands need no more) and zlib's best compression: a third of the bytes.
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
-    metadata = {"png": {"Software": None}, "svg": {"Date": None},
-                "pdf": {"CreationDate": None, "Producer": None}}
-    if fmt not in metadata:
+    metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None, "Producer": None}}
+    if fmt != "png" and fmt not in metadata:
         raise ValueError(f"save_figure: unsupported file type {path.name!r}; use .png, .svg or .pdf")
     with atomic_file(path) as handle, matplotlib.rc_context({"svg.hashsalt": "precision-suite"}):
-        fig.savefig(handle, format=fmt, dpi=DPI, metadata=metadata[fmt])
+        if fmt == "png":
+            _save_palette_png(fig, handle)
+        else:
+            fig.savefig(handle, format=fmt, dpi=DPI, metadata=metadata[fmt])
     return path
+
+
+def _save_palette_png(fig: Figure, handle) -> None:
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    rendered = io.BytesIO()
+    fig.savefig(rendered, format="png", dpi=DPI)
+    rendered.seek(0)
+    # median cut is deterministic, so equal figures still give identical bytes; PIL writes no
+    # timestamp or software tag
+    image = Image.open(rendered).convert("RGB")
+    # optimize: 10% fewer bytes for 0.1 s more per chart
+    image.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(handle, format="png", optimize=True)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -211,6 +253,12 @@ def _figure_legend(fig: Figure, source: Axes) -> None:
                    frameon=False)
 
 
+def _set_x_axis(ax: Axes, x: str) -> None:
+    ax.set_xlabel(X_LABELS[x])
+    if x == "tokens":  # 150000 tokens as "150k": long plain numbers run into each other
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+
+
 def _note_hidden_points(ax: Axes, count: int, what: str) -> None:
     if count:
         ax.text(0.01, 0.99, f"{count} {what} point(s) not drawn", transform=ax.transAxes,
@@ -232,10 +280,18 @@ def _require_layers(ds: xr.Dataset, layers: Sequence[int], what: str) -> None:
                          f"{available[0]}..{available[-1]}" if available else f"{what} has no layers")
 
 
-def _default_attention_layers(ds: xr.Dataset) -> list[int]:
+def default_attention_layers(ds: xr.Dataset) -> list[int]:
+    """The layers figure A draws: a shallow one (layer 1 where the model has 3 or more) and the last."""
     layers = [int(v) for v in ds["layer"].values]
     early = 1 if 1 in layers and len(layers) > 2 else layers[0]
     return sorted({early, layers[-1]})
+
+
+def _softmax_bound(ds: xr.Dataset) -> float | None:
+    """sqrt(N) for a softmax run that records N (SCIENCE.md: ||softmax(S)||_F <= sqrt(N))."""
+    if run_spec(ds).get("attention") != "softmax" or "N" not in ds.attrs:
+        return None
+    return float(np.sqrt(float(ds.attrs["N"])))
 
 
 def _describe_runs(datasets: Mapping[str, xr.Dataset]) -> str:
@@ -264,7 +320,9 @@ def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
         fixed = tuple((dim, where[dim]) for dim in dims
                       if dim in where and dim not in ("layer", "step", "train_step"))
         grouped.setdefault((finding.metric, fixed), []).append(finding)
-    return [_DriftPanel(metric, fixed, tuple(group)) for (metric, fixed), group in grouped.items()]
+    panels = [_DriftPanel(metric, fixed, tuple(group)) for (metric, fixed), group in grouped.items()]
+    # worst first (sorted is stable: equally bad panels keep the findings' order)
+    return sorted(panels, key=lambda panel: min(severity(f.kind, f.score) for f in panel.findings))
 
 
 def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
@@ -327,8 +385,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
     ax.scatter(marks_x, marks_y, marker="X", s=60, color="tab:red", zorder=5,
                label="offending point")
 
-    title = " ".join([panel.metric] + [str(v) for _, v in panel.fixed])
-    ax.set_title(title)
+    ax.set_title(panel.title)
     ax.set_xlabel(X_LABELS.get(x_dim, ""))
     ax.set_ylabel(_axis_label(panel.metric))
     if panel.metric == "attention_norm":

@@ -62,6 +62,7 @@ examples:
   precision-suite baseline update --quick      (re)create the baselines the quick run uses
   precision-suite compare old/ new/ --fail underflow:1e-3
   precision-suite report results/              charts and summary of saved results
+  precision-suite reproduce figure-a           the paper's figure A, with a note of its claims
 
 exit status: 0 all checks hold, 1 numerics regression, 2 bad usage or configuration.
 More in docs/cli.md.
@@ -145,6 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--baseline-dir", metavar="DIR", default=None,
                         help="also compare with the baselines in DIR")
     report.set_defaults(command_func=_cmd_report)
+
+    from precision_suite.reproduce import DEFAULT_OUT, FIGURE_NAMES
+
+    reproduce = commands.add_parser(
+        "reproduce", help="longer runs that reproduce a seed figure and say which claims hold",
+        description="Train the runs of one of the papers' figures (a few minutes on 2 cores), draw "
+                    "it as the paper does, and write the figure (PNG), the datasets (netCDF) and a "
+                    "Markdown note stating each qualitative claim of the paper and whether this "
+                    "reproduction shows it, with the numbers. figure-a: attention norm of every "
+                    "attention variant; figure-b: FP8 underflow and distortion per layer.")
+    reproduce.add_argument("figure", metavar="FIGURE", choices=FIGURE_NAMES,
+                           help=f"which figure: {' or '.join(FIGURE_NAMES)}")
+    reproduce.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                           help=f"folder for the figure, datasets and note (default: {DEFAULT_OUT}/)")
+    _add_execution(reproduce)
+    reproduce.set_defaults(command_func=_cmd_reproduce)
     return parser
 
 
@@ -301,9 +318,28 @@ def _cmd_baseline_update(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_reproduce(args: argparse.Namespace) -> int:
+    from precision_suite import reproduce, runs
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder for the figure, datasets and note")
+    where = _execution(args)
+    specs = reproduce.figure_specs(args.figure)
+    print(f"{args.figure}: {len(specs)} run(s) of {specs[0].steps} steps (a few minutes on 2 cores)",
+          file=sys.stderr, flush=True)
+    result = reproduce.reproduce(args.figure, out,
+                                 train=lambda specs: _train_all(runs, list(specs), where))
+    for claim in result.claims:
+        print(f"{'shown' if claim.holds else 'NOT shown':9} {claim.text}")
+    print(f"{sum(c.holds for c in result.claims)} of {len(result.claims)} claims shown; "
+          f"trained in {result.seconds:.0f} s")
+    print(f"figure: {result.chart}\nnote: {result.note}")
+    return EXIT_OK
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     import datetime
-    import json
 
     from precision_suite import calibration, ensemble, execution, files, reports, runs
     from precision_suite.execution import Task

@@ -88,6 +88,14 @@ def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) 
     return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts))
 
 
+def severity(kind: str, score: Any) -> tuple[bool, float]:
+    """Sort key of a finding, worst first: the kinds that fail a case (regression, threshold,
+    error) before drift, then the largest distance from the band (|score|); a finding without a
+    finite score (a rule's, an error) ranks as the largest."""
+    size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
+    return (kind not in ("regression", "error", "threshold"), -size)
+
+
 def format_where(where: Mapping[str, Any]) -> str:
     """'layer 3, tensor gradient, layout 1x128, step 30' (layer first, time last)."""
     order = [k for k in COORD_KEYS if k in where]

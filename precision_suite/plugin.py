@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -223,7 +223,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     except (ValueError, RuntimeError) as err:
         problem = f"precision check configuration: {err}"
     if problem:
-        pytest.fail(problem, pytrace=False)
+        _fail_unchecked(node, spec_or_dataset, problem)
     ds = spec_or_dataset
     if not isinstance(spec_or_dataset, xr.Dataset):
         try:
@@ -231,11 +231,12 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
         except (ValueError, TypeError) as err:  # a bad spec: say what is wrong, no deep traceback
             problem = f"precision run of {spec_or_dataset!r}: {err}"
     if problem:
-        pytest.fail(problem, pytrace=False)
+        _fail_unchecked(node, spec_or_dataset, problem)
     missing = [name for name in baselines.REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
-        pytest.fail(f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
-                    "pass a RunSpec or a dataset made by precision_suite.runs.run", pytrace=False)
+        _fail_unchecked(node, spec_or_dataset,
+                        f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
+                        "pass a RunSpec or a dataset made by precision_suite.runs.run")
     case = str(ds.attrs["case"])
     path = baselines.baseline_path(settings.baseline_dir, case)
     hint = f"pytest '{node.nodeid}' --precision-regen"
@@ -278,6 +279,20 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     if judge.blocks(outcome):
         pytest.fail(failure_message(outcome), pytrace=False)
     return outcome
+
+
+def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> NoReturn:
+    """Fail a check that could not be made; its JUnit XML properties still say so ("error")."""
+    from precision_suite.runs import case_id
+
+    try:  # the case this check was for, as far as its spec tells
+        case = str(spec_or_dataset.attrs.get("case", "?")) if hasattr(spec_or_dataset, "attrs") \
+            else case_id(_as_spec(spec_or_dataset))
+    except (AttributeError, TypeError, ValueError):
+        case = "?"
+    node.user_properties.append((CASE_PROPERTY, case))
+    node.user_properties.append((STATUS_PROPERTY, "error"))
+    pytest.fail(problem, pytrace=False)
 
 
 def _as_spec(spec: Any) -> RunSpec:

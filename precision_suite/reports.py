@@ -26,12 +26,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xarray as xr
 
 from precision_suite import __version__, charts as _charts
 from precision_suite.calibration import statement_lines
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
+from precision_suite.findings import severity
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
@@ -73,8 +75,8 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
     for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`),
-    and always one attention-norm overview per model and recipe across variants. Chart files
-    named by the verdicts (drift charts) are copied into the folder so that it stands alone.
+    and always the overview: figure A per model and recipe across variants, figure B once. Chart
+    files named by the verdicts (drift charts) are copied into the folder so that it stands alone.
     `known` maps a case to the reason its failure is a known violation (shown beside it).
     `sensitivity` states how trustworthy the comparison is: `design_false_alarm_rate`, `measured`
     (what `precision-suite calibrate` counted on these baselines, or None) and
@@ -97,7 +99,7 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
         if dataset is not None and (charts == "all" or verdict.status != "pass"):
             adopted += _draw_case_charts(out, verdict.case, dataset)
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
-    overview = _draw_overviews(out, datasets)  # figure A across variants: always, it is the picture
+    overview = _draw_overviews(out, datasets)  # figures A and B: always, they are the picture
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(entries, overview, known)
@@ -147,7 +149,8 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
 
 
 def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
-    """Figure A as in the paper: per (model, recipe), one line per attention variant."""
+    """The papers' two figures: figure A per (model, recipe), one line per attention variant, and
+    figure B once, of the run that best shows it (`_figure_b_case`)."""
     groups: dict[tuple[str, str], dict[str, xr.Dataset]] = {}
     for case, ds in datasets.items():
         if "attention_norm" not in ds.data_vars:
@@ -155,9 +158,25 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
         spec = run_spec(ds)
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
-    return [_save(out, f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
-                  _charts.plot_attention_norm(group))
-            for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
+    drawn = [_save(out, f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
+                   _charts.plot_attention_norm(group))
+             for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
+    case = _figure_b_case(datasets)
+    if case is not None:
+        drawn.append(_save(out, f"overview-{safe_filename(case)}-quant-error.png",
+                           _charts.plot_quant_error(datasets[case])))
+    return drawn
+
+
+def _figure_b_case(datasets: Mapping[str, xr.Dataset]) -> str | None:
+    """The case figure B is drawn of: the first (in case order) trained in low precision, as in
+    the paper, else the first with quantization metrics at all; None when no run has them."""
+    measured = [case for case in sorted(datasets)
+                if {"underflow", "distortion", "tokens"} <= set(datasets[case].variables)
+                and np.isfinite(datasets[case]["underflow"].values).any()]
+    low_precision = [case for case in measured
+                     if run_spec(datasets[case]).get("recipe") not in (None, "fp32")]
+    return (low_precision or measured or [None])[0]
 
 
 def _save(out: Path, name: str, fig) -> str:
@@ -213,18 +232,20 @@ def _headline(summary: dict) -> str:
     return f"precision-suite: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
 
 
-def _markdown(summary: dict, out: Path) -> str:
-    def cell(text: object) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
+def markdown_cell(text: object) -> str:
+    """`text` as one cell of a Markdown table: pipes escaped, on one line."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
+
+def _markdown(summary: dict, out: Path) -> str:
     lines = [f"## {_headline(summary)}", "", "| status | case | findings | worst finding |",
              "|---|---|---|---|"]
     for case in summary["cases"]:
         worst = _worst(case["findings"])
         first = worst[0]["message"] if worst else ""
         badge = STATUS_BADGE[case["status"]] + (" (known)" if case["known_violation"] else "")
-        lines.append(f"| {badge} | `{cell(case['case'])}` | "
-                     f"{len(case['findings'])} | {cell(first)} |")
+        lines.append(f"| {badge} | `{markdown_cell(case['case'])}` | "
+                     f"{len(case['findings'])} | {markdown_cell(first)} |")
     for case in summary["cases"]:
         if case["status"] == "pass":
             continue
@@ -256,16 +277,23 @@ def _sensitivity_lines(sensitivity: Mapping | None) -> list[str]:
 
 # --------------------------------------------------------------------------- HTML
 
+# A case shows its charts and, beside them, its worst findings, so that the first screen of a
+# failing report holds the verdict, the failing case's chart and what is wrong (tests/test_browser.py).
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
+body{font-family:system-ui,sans-serif;margin:1em auto;max-width:1400px;padding:0 1em;color:#222}
+h1{font-size:1.6em;margin:.2em 0}h2{font-size:1.3em;margin:.8em 0 .4em}h3{font-size:1.05em;margin:.2em 0}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;
 text-align:left;vertical-align:top}th{background:#f3f3f3}.fail{color:#b00020}.error{color:#b36b00}
-.drift{color:#a05a00}.pass{color:#1b7a2e}figure{margin:1em 0}img{max-width:100%;border:1px solid #ddd}
-figcaption{font-size:.85em;color:#555}code{background:#f6f6f6;padding:0 .2em}
+.drift{color:#a05a00}.pass{color:#1b7a2e}figure{margin:0 0 1em}img{max-width:100%;border:1px solid #ddd}
+figcaption{font-size:.85em;color:#555}code{background:#f6f6f6;padding:0 .2em}.meta{color:#555;margin:.2em 0}
 .badge{display:inline-block;min-width:4.5em;padding:.05em .5em;border-radius:.3em;color:#fff;
 font-weight:600;text-align:center;font-size:.9em}.badge.fail{background:#b00020}
 .badge.error{background:#b36b00}.badge.known{background:#3a5fa8}.badge.drift{background:#a05a00}
-.badge.pass{background:#1b7a2e}details{margin:.5em 0}
+.badge.pass{background:#1b7a2e}details{margin:.5em 0}nav.cases{line-height:2}
+nav.cases span{white-space:nowrap;margin-right:1em}
+.case{display:grid;grid-template-columns:minmax(0,3fr) minmax(16em,2fr);gap:1em;align-items:start}
+.worst{position:sticky;top:0}.worst ul{margin:.3em 0;padding-left:1.2em}.worst li{margin:.3em 0}
+@media (max-width:60em){.case{grid-template-columns:1fr}}
 """
 
 _MIME = {".png": "image/png", ".svg": "image/svg+xml"}
@@ -295,24 +323,23 @@ def _badge(status: str) -> str:
 
 def _worst(findings: Sequence[dict], limit: int = MAX_WORST_FINDINGS) -> list[dict]:
     """Findings that block first, then the largest distance from the band (`score`)."""
-    def key(f: dict) -> tuple:
-        score = f.get("score")
-        size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
-        return (f.get("kind") not in ("regression", "error", "threshold"), -size)
-    return sorted(findings, key=key)[:limit]
+    return sorted(findings, key=lambda f: severity(f.get("kind"), f.get("score")))[:limit]
 
 
-def _findings_table(findings: Sequence[dict]) -> str:
+def _findings_table(findings: Sequence[dict], chart_link: str = "") -> str:
+    """Every finding, numbers to 4 significant digits; `chart_link` (HTML) ends each row."""
     if not findings:
         return "<p>No findings.</p>"
+    link_cell = f"<td>{chart_link}</td>" if chart_link else ""
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_number(v))}</td>" for v in (
             f.get("kind"), f.get("metric"),
             ", ".join(f"{k}={v}" for k, v in (f.get("where") or {}).items()),
-            f.get("value"), f.get("reference"), f.get("tolerance"), f.get("message"))) + "</tr>"
+            f.get("value"), f.get("reference"), f.get("tolerance"), f.get("message"))) + link_cell + "</tr>"
         for f in findings)
     return ("<table><tr><th>kind</th><th>metric</th><th>where</th><th>value</th>"
-            f"<th>reference</th><th>tolerance</th><th>message</th></tr>{rows}</table>")
+            f"<th>reference</th><th>tolerance</th><th>message</th>{'<th></th>' if chart_link else ''}"
+            f"</tr>{rows}</table>")
 
 
 def _case_html(out: Path, i: int, case: dict) -> str:
@@ -321,31 +348,35 @@ def _case_html(out: Path, i: int, case: dict) -> str:
     esc = html.escape
     anchors = [f"case-{i}-chart-{j}" for j in range(len(case["charts"]))]
     charts = "".join(_figure_html(out, rel, anchor) for rel, anchor in zip(case["charts"], anchors))
-    link = f' (<a href="#{anchors[0]}">chart</a>)' if anchors else ""
-    worst = "".join(f"<li>{esc(f.get('message', ''))}{link}</li>" for f in _worst(case["findings"]))
+    link = f'<a href="#{anchors[0]}">chart</a>' if anchors else ""
+    worst = "".join(f"<li>{esc(f.get('message', ''))}{f' ({link})' if link else ''}</li>"
+                    for f in _worst(case["findings"]))
     missing = "".join(f'<p class="error">chart not found: <code>{esc(p)}</code></p>'
                       for p in case["missing_charts"])
-    findings = ""
-    if case["findings"]:
-        findings = (f"<h3>Worst findings</h3><ul>{worst}</ul>"
-                    f"<details><summary>All {len(case['findings'])} findings</summary>"
-                    f"{_findings_table(case['findings'])}</details>")
+    worst_list = f"<h3>Worst findings</h3><ul>{worst}</ul>" if case["findings"] else "<p>No findings.</p>"
+    table = (f"<details><summary>All {len(case['findings'])} findings</summary>"
+             f"{_findings_table(case['findings'], link)}</details>" if case["findings"] else "")
     known = (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
              if case["known_violation"] else "")
+    body = (f'<div class="case"><div class="charts">{charts}{missing}</div>'
+            f'<aside class="worst">{worst_list}</aside></div>' if charts or missing else worst_list)
     return (f'<section id="case-{i}"><h2 class="{esc(case["status"])}">{_badge(case["status"])} '
-            f'{esc(case["case"])}</h2>{known}{charts}{missing}{findings or "<p>No findings.</p>"}'
-            "</section>")
+            f'{esc(case["case"])}</h2>{known}{body}{table}</section>')
 
 
 def _html(summary: dict, out: Path) -> str:
     esc = html.escape
-    overview_rows = "".join(
-        f'<tr><td>{_badge(c["status"])}</td>'
-        f'<td><a href="#case-{i}">{esc(c["case"])}</a></td><td>{len(c["findings"])}</td></tr>'
+    # one wrapped line of links rather than a table: ten cases must not push the first failing
+    # case off the first screen
+    case_links = "".join(
+        f'<span>{_badge(c["status"])} <a href="#case-{i}">{esc(c["case"])}</a> '
+        f'({len(c["findings"])})</span>'
         for i, c in enumerate(summary["cases"]))
     sections = [_case_html(out, i, case) for i, case in enumerate(summary["cases"])]
     overview = "".join(_figure_html(out, rel) for rel in summary["overview_charts"])
-    overview_section = f"<section><h2>Attention norm overview</h2>{overview}</section>" if overview else ""
+    overview_section = (f"<section><h2>Overview: attention norm across variants (figure A), "
+                        f"quantization error per layer (figure B)</h2>{overview}</section>"
+                        if overview else "")
     sensitivity = summary.get("sensitivity") or {}
     detectable = "".join(
         f"<tr><td>{esc(case)}</td><td>{esc(metric)}</td><td>{esc(text)}</td></tr>"
@@ -362,9 +393,9 @@ def _html(summary: dict, out: Path) -> str:
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{headline}</title><style>{_CSS}</style></head><body>"
             f"<h1 class=\"{esc(summary['overall'])}\">{_badge(summary['overall'])} {headline}</h1>"
-            f"<p>Created {esc(summary['created'])} by precision-suite {esc(summary['package_version'])}. "
-            f"Machine-readable: <code>summary.json</code>.</p>"
-            f"<table><tr><th>status</th><th>case</th><th>findings</th></tr>{overview_rows}</table>"
+            f"<p class=\"meta\">Created {esc(summary['created'])} by precision-suite "
+            f"{esc(summary['package_version'])}. Machine-readable: <code>summary.json</code>. "
+            f"Cases with their number of findings:</p><nav class=\"cases\">{case_links}</nav>"
             f"{''.join(sections)}{overview_section}{sensitivity_section}</body></html>\n")
 
 

@@ -52,6 +52,18 @@ def test_attention_norm_single_run_title_names_the_case_and_tokens_axis():
     np.testing.assert_array_equal(axes[0].get_lines()[0].get_xdata(), ds["tokens"].values)
 
 
+def test_softmax_bound_sqrt_n_is_drawn_where_the_run_records_n():
+    variants = {name: make_run_dataset(attention=name, depth=4) for name in ("softmax", "x/1")}
+    assert not any("bound" in line.get_label()
+                   for ax in _data_axes(charts.plot_attention_norm(variants)) for line in ax.get_lines())
+    variants["softmax"].attrs["N"] = variants["x/1"].attrs["N"] = 16
+    for ax in _data_axes(charts.plot_attention_norm(variants)):
+        (bound,) = [line for line in ax.get_lines() if "bound" in line.get_label()]
+        assert bound.get_label() == "softmax bound √N = 4"  # only softmax has the bound
+        np.testing.assert_array_equal(bound.get_ydata(), [4.0, 4.0])
+        assert bound.get_color() == ax.get_lines()[0].get_color()  # drawn in softmax's colour
+
+
 def test_attention_norm_counts_points_a_log_axis_cannot_draw():
     ds = make_run_dataset(depth=3)
     ds["attention_norm"][1, 1] = np.nan
@@ -152,6 +164,27 @@ def test_drift_chart_of_threshold_findings_draws_the_bound_without_a_baseline():
     assert "thresholds" in fig.get_suptitle()
 
 
+def test_drift_chart_draws_the_worst_panels_and_names_the_ones_left_out():
+    baseline = make_run_dataset(model="gpt", recipe="fp8-block", depth=4)
+    current = baseline.copy(deep=True)
+    pairs = [(t, lo) for t in ("activation", "gradient", "gradient_transpose", "weight")
+             for lo in ("1x128", "128x1", "128x128")]
+    # one finding per (metric, tensor, layout) panel, more panels than a chart draws, the worst last
+    panels = [(metric, pair) for metric in ("underflow", "zeros_after") for pair in pairs]
+    findings = [Finding(current.attrs["case"], "drift", metric,
+                        {"layer": 1, "tensor": t, "layout": lo, "step": 10},
+                        0.5, 0.4, 0.1, f"{metric} {t} {lo}", score=float(i))
+                for i, (metric, (t, lo)) in enumerate(panels)]
+    assert len(findings) > charts.MAX_DRIFT_PANELS
+    fig = charts.plot_drift(current, baseline, findings)
+    titles = [ax.get_title() for ax in _data_axes(fig)]
+    worst_first = sorted(findings, key=lambda f: -f.score)[:charts.MAX_DRIFT_PANELS]
+    assert titles == [f"{f.metric} {f.where['tensor']} {f.where['layout']}" for f in worst_first]
+    note = " ".join(t.get_text() for t in fig.texts)
+    assert f"{len(findings) - charts.MAX_DRIFT_PANELS} more panel(s) with findings not drawn" in note
+    assert f"the {charts.MAX_DRIFT_PANELS} worst of {len(findings)} panels" in fig.get_suptitle()
+
+
 def test_drift_chart_without_chartable_findings_says_so():
     ds = make_run_dataset(depth=2)
     error = Finding(ds.attrs["case"], "error", "underflow", {}, np.nan, np.nan, np.nan, "no baseline")
@@ -168,6 +201,22 @@ def test_same_input_gives_identical_file_bytes(tmp_path, suffix):
     first, second = draw("a"), draw("b")
     assert first.read_bytes() == second.read_bytes()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files
+
+
+def test_png_charts_are_palette_images_a_third_of_the_plain_size(tmp_path):
+    from PIL import Image
+
+    fig = charts.plot_quant_error(make_run_dataset(model="gpt", depth=18))
+    path = charts.save_figure(fig, tmp_path / "chart.png")
+    plain = tmp_path / "plain.png"
+    fig.savefig(plain, dpi=charts.DPI)
+    with Image.open(path) as image, Image.open(plain) as reference:
+        assert image.mode == "P" and image.size == reference.size
+        # the palette keeps the picture: every pixel within a few levels of the full-colour one
+        difference = np.abs(np.asarray(image.convert("RGB"), dtype=int)
+                            - np.asarray(reference.convert("RGB"), dtype=int))
+        assert np.percentile(difference, 99) <= 16
+    assert path.stat().st_size < plain.stat().st_size / 2
 
 
 def test_different_input_gives_different_bytes(tmp_path):

@@ -420,11 +420,14 @@ def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
         def test_bad(precision_check):
             precision_check(vit("nope"))
     """)
-    result = pytester.runpytest()
+    result = pytester.runpytest("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["precision run of RunSpec(model='vit', attention='nope'*): "
                                  "unknown attention 'nope'; known: softmax, x/1"])
     assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
+    # a check that could not be made still tells CI its case and status
+    props = junit_properties(pytester.path / "junit.xml")
+    assert props["precision_status"] == ["error"] and props["precision_case"] == ["vit-nope-fp32"]
 
 
 @pytest.mark.slow

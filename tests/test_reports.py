@@ -89,9 +89,11 @@ def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
     for chart in failed["charts"]:
         assert (out / chart).is_file()
 
+    # figure B of the one low-precision run joins the overview (figure A needs two variants)
+    assert summary["overview_charts"] == [f"charts/overview-{failing.case}-quant-error.png"]
     page = _parse(out / "index.html")
     charted = [img["data-chart"] for img in page.images]
-    assert charted == failed["charts"]
+    assert charted == failed["charts"] + summary["overview_charts"]
     for img in page.images:
         assert img["src"].startswith("data:image/png;base64,")  # opens from disk, self-contained
     assert f"FAIL {failing.case}" in page.headings  # status as a word, not only an emoji
@@ -130,11 +132,26 @@ def test_charts_all_draws_every_case_and_a_variant_overview(tmp_path):
     out = reports.write_report(made, tmp_path, datasets=datasets, charts="all")
     summary = _strict_json(out / "summary.json")
     assert all(len(c["charts"]) == 2 for c in summary["cases"])
-    assert summary["overview_charts"] == ["charts/overview-vit-fp32-attention-norm.png"]
+    assert summary["overview_charts"] == ["charts/overview-vit-fp32-attention-norm.png",
+                                          "charts/overview-vit-softmax-fp32-quant-error.png"]
     referenced = {img["data-chart"] for img in _parse(out / "index.html").images}
     every_chart = {c for case in summary["cases"] for c in case["charts"]} | set(summary["overview_charts"])
     assert referenced == every_chart
     assert {p.relative_to(out).as_posix() for p in (out / "charts").iterdir()} == every_chart
+
+
+def test_figure_b_overview_prefers_a_low_precision_run_and_needs_quant_metrics(tmp_path):
+    fp32 = make_run_dataset(model="gpt", recipe="fp32")  # "gpt-softmax-fp32" sorts first
+    fp8 = make_run_dataset(model="gpt", recipe="fp8-block")
+    out = reports.write_report([verdict(ds.attrs["case"], []) for ds in (fp32, fp8)], tmp_path / "a",
+                               datasets={ds.attrs["case"]: ds for ds in (fp32, fp8)})
+    assert _strict_json(out / "summary.json")["overview_charts"] == [
+        f"charts/overview-{fp8.attrs['case']}-quant-error.png"]
+    unmeasured = fp8.copy(deep=True)
+    unmeasured["underflow"][:] = np.nan  # a run without quantization metrics has no figure B
+    out = reports.write_report([verdict(fp8.attrs["case"], [])], tmp_path / "b",
+                               datasets={fp8.attrs["case"]: unmeasured})
+    assert _strict_json(out / "summary.json")["overview_charts"] == []
 
 
 def test_missing_chart_file_is_reported_not_fatal(tmp_path):
