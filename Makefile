@@ -29,8 +29,11 @@ test: $(BIN)/.installed
 quick: $(BIN)/.installed
 	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
 
+# Ratios against their goals (printed at the end of the pytest run), then the warm-up tax of a
+# fresh process per format (benchmarks/warmup.py).
 bench: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist
+	$(BIN)/python benchmarks/warmup.py
 
 clean:
 	rm -rf $(VENV) reports/*/ .hypothesis .benchmarks

@@ -20,8 +20,8 @@ class ElementType:
 
     Only what rounding needs is stored: exponent and mantissa widths, the exponent bias and the
     largest finite value (which differs from the IEEE rule for `fn` types such as e4m3fn).
-    `torch_dtype` names torch's own type for the grid, when it has one: its cast rounds the same
-    way and runs about twice as fast as the bit arithmetic (quantization.round_to_element).
+    `torch_dtype` names torch's own type for the grid, when it has one: eagerly its cast rounds the
+    same way and runs about twice as fast as the bit arithmetic (quantization.round_to_element).
     """
 
     name: str

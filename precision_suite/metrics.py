@@ -15,8 +15,9 @@ is taken; `QuantStats.metrics()` turns sums into the reported metrics:
 - nonfinite_in: NaN/Inf count of the input. Non-finite elements are left out of every other sum
   (distortion, sqnr, mse) so one bad value does not hide the rest of the tensor.
 
-Large tensors take a torch.compile'd pass (`quantization.fused`) that fuses quantization and
-reductions into one sweep over memory; set PRECISION_SUITE_COMPILE=0 to stay eager.
+Tensors of `quantization.COMPILE_MIN_NUMEL` elements or more take a torch.compile'd pass
+(`quantization.fused`) that fuses quantization and reductions into two sweeps over memory; set
+PRECISION_SUITE_COMPILE=0 to stay eager.
 """
 
 from __future__ import annotations
@@ -93,23 +94,32 @@ def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[to
     """Quantize float32 blocks and reduce to (SUM_FIELDS sums, [scale min, scale max]).
 
     `numel` and `zeros_after` still count the zero padding here; `quant_stats` takes it out, so
-    this function sees only the blocks' shape and compiles once per format and orientation.
+    this function sees only the blocks.
+
+    Compiled, this is two sweeps over the blocks: their amax, then everything else (the masks
+    read amax, see below), with vector accumulators that run across blocks. Counts accumulate in
+    int32 (vectors twice as wide as int64) where the tensor allows, dot products in float64.
     """
-    x_hat, scales, scaled = qdq_blocks(blocks, fmt, pow2_scale)
-    finite = torch.isfinite(blocks)
+    x_hat, scales, scaled, amax = qdq_blocks(blocks, fmt, pow2_scale)
+    # The finite elements: amax is each block's largest finite |x|, which NaN and +-Inf exceed.
+    # Compared with amax rather than by isfinite(blocks), the compiled kernel computes the mask in
+    # its sweep over the blocks instead of a sweep of its own.
+    finite = blocks.abs() <= amax
     x64 = torch.where(finite, blocks, 0.0).double()
     y64 = torch.where(finite, x_hat, 0.0).double()
     zero_after = x_hat == 0
+    count = torch.int32 if blocks.numel() < 2**31 else torch.int64
+    counts = [
+        (~finite).sum(dtype=count),
+        ((blocks != 0) & zero_after).sum(dtype=count),
+        zero_after.sum(dtype=count),
+        ((scaled.abs() > fmt.element.overflow_threshold) | ~torch.isfinite(x_hat)).sum(dtype=count),
+    ]
+    products = [(x64 * y64).sum(), (x64 * x64).sum(), (y64 * y64).sum(), ((x64 - y64) ** 2).sum()]
     sums = torch.stack([
-        torch.zeros((), dtype=torch.float64, device=blocks.device),  # numel: filled in by the caller
-        (~finite).sum().double(),
-        ((blocks != 0) & zero_after).sum().double(),
-        zero_after.sum().double(),
-        ((scaled.abs() > fmt.element.overflow_threshold) | ~torch.isfinite(x_hat)).sum().double(),
-        (x64 * y64).sum(),
-        (x64 * x64).sum(),
-        (y64 * y64).sum(),
-        ((x64 - y64) ** 2).sum(),
+        torch.full((), blocks.numel(), dtype=torch.float64, device=blocks.device),
+        *(c.double() for c in counts),
+        *products,
     ])
     return sums, torch.stack([scales.min(), scales.max()])
 
@@ -123,12 +133,11 @@ def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = No
     lay = parse_layout(layout, f)
     x2d = as_2d(x.detach().float())
     blocks = to_blocks(x2d, lay)
-    sums, scale_range = fused(_block_sums, blocks, f, pow2_scale)
+    sums, scale_range = fused(_block_sums, blocks, f, lay, pow2_scale)
     n_pad = blocks.numel() - x2d.numel()
-    # padding is zero before and after: it is not data
-    correction = torch.zeros_like(sums)
-    correction[0], correction[3] = x2d.numel(), -n_pad
-    return QuantStats(sums + correction, scale_range)
+    if n_pad:  # padding is zero before and after: it is not data
+        sums = sums - torch.tensor([n_pad, 0, 0, n_pad, 0, 0, 0, 0, 0], dtype=sums.dtype, device=sums.device)
+    return QuantStats(sums, scale_range)
 
 
 def quant_error(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> dict[str, float]:

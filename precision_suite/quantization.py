@@ -2,7 +2,8 @@
 
 Scales are float32 arithmetic; elements round through torch's own cast where the element type
 has one (values clamped first, so every torch release agrees) and through exact bit arithmetic
-otherwise (E2M1, or any newly declared minifloat). Both are checked bit for bit against ml_dtypes.
+otherwise (E2M1, or any newly declared minifloat) and in compiled kernels (`fused`). Both are
+checked bit for bit against ml_dtypes.
 
 Non-finite inputs: NaN and +-Inf do not take part in a block's amax (they would wipe out the
 whole block); NaN stays NaN and +-Inf saturates to +-max times the block scale. metrics.py counts
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -23,10 +24,11 @@ from precision_suite.layouts import Layout, as_2d, from_blocks, parse_layout, to
 
 # Floor of an "amax" scale: the smallest normal float32, so an all-zero block gets a finite scale.
 TINY_SCALE = 2.0**-126
-# Below this many elements eager ops are fast enough and compiling would cost more than it saves.
-COMPILE_MIN_NUMEL = 1 << 16
-COMPILE_MAX_GRAPHS = 64
-STATIC_MIN_NUMEL = 1 << 22
+# Below this many elements quantization runs eagerly. Once compiled, a kernel is cheaper than eager
+# ops at every size, but each new layout and pattern of single-block dimensions compiles a graph:
+# tensors this small (a model's smallest weights, the random shapes of property tests) take
+# under a millisecond eagerly, while a 128 x 384 weight takes several.
+COMPILE_MIN_NUMEL = 1 << 15
 _F32_EXP_MASK = 0x7F800000
 _F32_MAN_BITS = 23
 
@@ -34,11 +36,13 @@ _F32_MAN_BITS = 23
 def round_to_element(y: torch.Tensor, element: ElementType) -> torch.Tensor:
     """Round float32 `y` (already within +-element.max) to the nearest element, ties to even.
 
-    torch's own cast where the element has a torch type (callers clamp first: older torch
+    Eagerly torch's own cast where the element has a torch type (callers clamp first: older torch
     releases turn e4m3 values past 464 into NaN instead of saturating), else exact bit arithmetic.
-    Both are checked bit for bit against ml_dtypes (tests/test_oracle.py).
+    Inside torch.compile always the bit arithmetic: inductor's CPU cast to float8 is a scalar loop
+    per element, the bit arithmetic vectorizes. Both are checked bit for bit against ml_dtypes
+    (tests/test_oracle.py).
     """
-    if element.torch_dtype is not None:
+    if element.torch_dtype is not None and not torch.compiler.is_compiling():
         return y.to(getattr(torch, element.torch_dtype)).to(torch.float32)
     return round_by_bits(y, element)
 
@@ -48,12 +52,25 @@ def round_by_bits(y: torch.Tensor, element: ElementType) -> torch.Tensor:
     if element.emin - element.man_bits >= -126:
         # y / quantum is exact and torch.round rounds half to even
         quantum = element_quantum(y, element)
+        if element.emax - element.man_bits <= 126:
+            # 1 / quantum is a normal float32 too: multiplying by it rounds exactly as dividing
+            # (both are y * 2**-k correctly rounded) and is several times cheaper
+            return torch.round(y * ((254 << 23) - quantum.view(torch.int32)).view(torch.float32)) * quantum
         return torch.round(y / quantum) * quantum
     # Same exponent range as float32 (bf16): round the bit pattern, the subnormals included.
     shift = _F32_MAN_BITS - element.man_bits
     bits = y.view(torch.int32)
     bits = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)
-    return bits.view(torch.float32)
+    # a NaN's payload can carry into the sign bit and wrap around to zero: NaN stays NaN
+    return torch.where(torch.isnan(y), y, bits.view(torch.float32))
+
+
+def _binade(a: torch.Tensor) -> torch.Tensor:
+    """2**floor(log2(a)) for finite float32 a > 0, subnormals included (exact bit arithmetic)."""
+    subnormal = a < 2.0**-126
+    # a subnormal is scaled into the normal range (exactly) and its binade scaled back
+    top = (torch.where(subnormal, a * 2.0**24, a).view(torch.int32) & _F32_EXP_MASK).view(torch.float32)
+    return torch.where(subnormal, top * 2.0**-24, top)
 
 
 def element_quantum(y: torch.Tensor, element: ElementType) -> torch.Tensor:
@@ -89,14 +106,17 @@ def block_scales(amax: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> t
     if fmt.scale_rule == "amax":
         scale = torch.clamp(amax / element.max, min=TINY_SCALE)
         if pow2_scale:  # round up to a power of two, so no element can exceed max
-            mantissa, exponent = torch.frexp(scale)
-            scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+            # scale is a normal float32 (>= TINY_SCALE): a power of two is its own binade
+            binade = _binade(scale)
+            return torch.where(binade == scale, scale, binade * 2.0)
         return scale
     if fmt.scale_rule == "e8m0":
         # OCP MX v1.0 section 6.3: X = 2**(floor(log2(amax)) - emax_elem), E8M0 range [-127, 127].
-        _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1)
-        shared = torch.clamp(exponent - 1 - element.emax, -127, 127)
-        return torch.ldexp(torch.ones_like(amax), shared)
+        # Bit arithmetic, not frexp/ldexp: a compiled kernel recomputes the scale for every row of
+        # a (32, 1) block, and inductor's frexp and ldexp are scalar loops.
+        scale = torch.clamp(_binade(amax) * 2.0**-element.emax, 2.0**-127, 2.0**127)
+        # an all-zero block: frexp's exponent of zero is 0, i.e. shared exponent -1 - emax
+        return torch.where(amax > 0, scale, 2.0 ** min(max(-1 - element.emax, -127), 127))
     if fmt.scale_rule == "nvfp4":
         # FP32 tensor scale maps the tensor amax onto max(E2M1) * max(E4M3); the E4M3 block scale
         # then covers each block's amax / max(E2M1).
@@ -106,69 +126,114 @@ def block_scales(amax: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> t
     raise ValueError(f"format {fmt.name!r}: unknown scale rule {fmt.scale_rule!r}")
 
 
-def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class BlockQDQ(NamedTuple):
+    """What quantize-dequantize of float32 blocks `(nbr, r, nbc, c)` yields, for metrics.py."""
+
+    dequantized: torch.Tensor  # same shape as the blocks
+    scales: torch.Tensor  # (nbr, 1, nbc, 1)
+    scaled: torch.Tensor  # x / s before saturation (metrics count overflow on it)
+    amax: torch.Tensor  # (nbr, 1, nbc, 1), the largest finite |x| of each block
+
+
+def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> BlockQDQ:
     """Quantize-dequantize float32 blocks `(nbr, r, nbc, c)`.
 
-    Returns `(dequantized, scales, scaled)` where `scaled = x / s` before saturation (metrics use it
-    to count overflow). A zero scale (an NVFP4 block scale that underflowed E4M3) flushes its block:
-    dividing by an infinite stand-in scale sends every finite element to zero.
+    A zero scale (an NVFP4 block scale that underflowed E4M3) flushes its block: dividing by an
+    infinite stand-in scale sends every finite element to zero.
     """
-    scales = block_scales(_finite_amax(blocks), fmt, pow2_scale)
+    amax = _finite_amax(blocks)
+    scales = block_scales(amax, fmt, pow2_scale)
     scaled = blocks / torch.where(scales > 0, scales, torch.inf)
     element = fmt.element
     q = round_to_element(scaled.clamp(-element.max, element.max), element)
-    return q * scales, scales, scaled
+    return BlockQDQ(q * scales, scales, scaled, amax)
 
 
 def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`qdq_blocks` without the pre-saturation values: (dequantized, scales)."""
-    dequantized, scales, _ = qdq_blocks(blocks, fmt, pow2_scale)
-    return dequantized, scales
+    """`qdq_blocks` reduced to what `quantize` returns: (dequantized, scales)."""
+    result = qdq_blocks(blocks, fmt, pow2_scale)
+    return result.dequantized, result.scales
 
 
 T = TypeVar("T")
-_compiled: dict[tuple[Callable, Format, bool, bool], Callable] = {}
+_compiled: dict[tuple[Callable, Format, Layout, bool], Callable] = {}
 _compile_failed = False
+_INDUCTOR_OPTIONS = {
+    # Every intermediate of a fused function is a pointwise function of the blocks on its way into
+    # a reduction: recomputing it in the sweep over the blocks costs a few vector ops, storing it a
+    # full-size buffer written and read back. Inductor stores CPU bodies of more than 50 ops, which
+    # the MX and NVFP4 scale rules exceed.
+    "realize_opcount_threshold": 1000,
+    # Multiply-adds into FMAs: the float64 sums of metrics.py add products of float32 values (and
+    # of x - x_hat, exact in float32), which are exact in float64, so an FMA rounds them the same;
+    # the sweep gets about a tenth faster. The quantizer itself has no multiply-add to contract.
+    "cpp.enable_floating_point_contract_flag": "fast",
+}
 
 
-def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, pow2_scale: bool, static: bool) -> Callable:
-    # Two closures with their own code objects: dynamo caches graphs per code object, and a
-    # dynamic-shape graph would otherwise also serve the large tensors meant for static ones.
-    def static_shapes(b: torch.Tensor) -> T:
+def _inductor_backend(tag: str) -> Callable:
+    """Inductor with `tag` in the keys of its on-disk caches (FX graph and AOT autograd caches).
+
+    The caches key on the traced graph, its input shapes and the compiler settings; the tag (the
+    fused function, the full Format and the layout) adds those explicitly, so a kernel cached for
+    one format or layout cannot be served to another even if their graphs printed alike. It is
+    set only while a graph compiles: calls that hit compiled graphs pay nothing for it.
+    """
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.compiler.config.patch(cache_key_tag=tag):
+            return compile_fx(gm, example_inputs, config_patches=_INDUCTOR_OPTIONS)
+    return backend
+
+
+def _use_project_cache() -> None:
+    """Keep inductor's caches under $PRECISION_SUITE_CACHE_DIR (default ~/.cache/precision-suite),
+    unless TORCHINDUCTOR_CACHE_DIR says where: compiled kernels then outlive /tmp and one process,
+    so a fresh process loads its graphs instead of compiling them (tests/test_compile_cache.py)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+
+
+def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout: Layout, pow2_scale: bool) -> Callable:
+    def fused_blocks(b: torch.Tensor) -> T:
         return fn(b, fmt, pow2_scale)
 
-    def dynamic_shapes(b: torch.Tensor) -> T:
-        return fn(b, fmt, pow2_scale)
+    # A code object of its own: dynamo keeps graphs (and its limit of 8) per code object, and
+    # the closures of every function, format and layout would otherwise share one.
+    fused_blocks.__code__ = fused_blocks.__code__.replace()
+    _use_project_cache()
+    # dynamic=False: only the dimensions `fused` marks are dynamic. Automatic dynamic shapes would
+    # also turn a format's constants into runtime inputs once a closure at this source line had
+    # seen another format, and such kernels run at half the speed.
+    tag = f"precision_suite {fn.__qualname__} {fmt!r} {layout} pow2_scale={pow2_scale}"
+    return torch.compile(fused_blocks, dynamic=False, backend=_inductor_backend(tag))
 
-    # fx_graph_cache off: inductor's on-disk cache has served a kernel compiled for other dynamic
-    # shapes here (wrong e5m2 values, caught by tests/test_oracle.py), so compile afresh.
-    # emulate_precision_casts: inductor otherwise drops the float32 -> bfloat16 -> float32 round
-    # trip that *is* the bf16 quantization (caught by the same tests).
-    return torch.compile(static_shapes if static else dynamic_shapes, dynamic=not static,
-                         options={"fx_graph_cache": False, "emulate_precision_casts": True})
 
+def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, layout: Layout,
+          pow2_scale: bool) -> T:
+    """`fn(blocks, fmt, pow2_scale)` for blocks cut by `layout`, through torch.compile for inputs of
+    COMPILE_MIN_NUMEL elements or more.
 
-def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> T:
-    """`fn(blocks, fmt, pow2_scale)`, through torch.compile for large inputs.
-
-    Eager torch makes one pass over memory per op (about 35x a plain copy for quant_error);
-    compiled, quantization and reductions fuse into one or two sweeps. Medium tensors (a model's
-    activations, gradients and weights) share dynamic-shape kernels, one per format and size-1
-    pattern of the blocks; large ones (>= STATIC_MIN_NUMEL, few shapes) get kernels specialised
-    to their shape, about twice as fast. Eager is used for small inputs, with
-    PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++ compiler): same numbers, up to the
-    order of float64 summation.
+    Eager torch makes one pass over memory per op (tens of times a plain copy for quant_error);
+    compiled, quantization and reductions fuse into two sweeps. The number of blocks is a
+    dynamic dimension and the block shape a static one, so one graph per function, format and
+    layout (and pattern of single-block dimensions) serves every tensor size, with the
+    block's own loops vectorized as in a shape-specialised kernel. Eager is used for small
+    inputs, with PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++ compiler): same
+    numbers, up to the order of float64 summation.
     """
     global _compile_failed
     if blocks.numel() >= COMPILE_MIN_NUMEL and not _compile_failed and os.environ.get("PRECISION_SUITE_COMPILE", "1") != "0":
-        static = blocks.numel() >= STATIC_MIN_NUMEL
-        key = (fn, fmt, pow2_scale, static)  # the Format itself: a user's format may reuse a name
+        key = (fn, fmt, layout, pow2_scale)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:
-            _compiled[key] = _compile(fn, fmt, pow2_scale, static)
+            _compiled[key] = _compile(fn, fmt, layout, pow2_scale)
+        for dim in (0, 1, 2, 3) if layout == "tensor" else (0, 2):  # all but a block's fixed shape
+            torch._dynamo.maybe_mark_dynamic(blocks, dim)
         try:
-            # more graphs than dynamo's default of 8 per code object: formats share the closures
-            with torch._dynamo.config.patch(recompile_limit=COMPILE_MAX_GRAPHS):
-                return _compiled[key](blocks)
+            return _compiled[key](blocks)
         except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo
             raise
         except Exception as err:  # e.g. no C++ compiler for inductor
@@ -220,7 +285,7 @@ def quantize(
     if x.numel() == 0:
         return Quantized(x.clone(), torch.empty(0, 0, dtype=torch.float32, device=x.device), f, lay)
     x2d = as_2d(x.float())
-    dequantized, scales = fused(dequantize_blocks, to_blocks(x2d, lay), f, pow2_scale)
+    dequantized, scales = fused(dequantize_blocks, to_blocks(x2d, lay), f, lay, pow2_scale)
     rows, cols = x2d.shape
     out = from_blocks(dequantized, rows, cols).reshape(x.shape).to(x.dtype)
     return Quantized(out, scales.reshape(scales.shape[0], scales.shape[2]), f, lay)

@@ -1,8 +1,9 @@
 """Probe overhead on the default GPT: 10 training steps with probes off, every 10th step, every step.
 
-Measure with ``make bench`` (``pytest tests/test_bench_probes.py --benchmark-enable``): the ratios
-to the ``off`` median are printed at the end (tests/conftest.py). Without --benchmark-enable each
-mode runs once as a test.
+Measure with ``make bench`` (``pytest tests/test_bench_probes.py --benchmark-enable -p no:xdist``).
+The reference is the plain training step: probes off, so every ``QuantLinear`` takes the
+``F.linear`` fast path. tests/conftest.py prints each ratio of medians against its goal (issue 11);
+no test asserts a time. Without --benchmark-enable each mode runs once as a test.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from precision_suite.runs import RunSpec, Trainer
 
 STEPS_PER_ROUND = 10
-SAMPLE_EVERY = {"off": None, "every-10th": 10, "every-step": 1}
+# mode: (probes fire every this many steps, goal: at most this many plain steps' time)
+MODES = {"off": (None, None), "every-10th": (10, 1.1), "every-step": (1, 1.5)}
 
 
 @pytest.fixture
@@ -30,9 +32,9 @@ def default_gpt_trainer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", list(SAMPLE_EVERY))
+@pytest.mark.parametrize("mode", list(MODES))
 def test_step_time_with_probes(benchmark, default_gpt_trainer, mode):
-    every = SAMPLE_EVERY[mode]
+    every, goal = MODES[mode]
 
     def train_round() -> list:
         recorder = default_gpt_trainer.recorder
@@ -42,7 +44,13 @@ def test_step_time_with_probes(benchmark, default_gpt_trainer, mode):
         return recorder.steps[before:]  # the steps that were measured
 
     benchmark.group = f"probe overhead: default GPT, {STEPS_PER_ROUND} steps"
-    benchmark.extra_info["reference"] = every is None  # ratios are to the probe-free steps
-    measured = benchmark.pedantic(train_round, rounds=3, warmup_rounds=1)
-    expected_samples = 0 if every is None else STEPS_PER_ROUND // every
-    assert len(measured) == expected_samples
+    if every is None:
+        benchmark.extra_info.update(subject="plain step (probes off)", reference=True)
+    else:
+        benchmark.extra_info.update(subject=f"probes {mode}", goal=goal)
+    # the warm-up round compiles the probes' kernels (or loads them from the cache)
+    measured = benchmark.pedantic(train_round, rounds=7, warmup_rounds=1)
+    assert len(measured) == (0 if every is None else STEPS_PER_ROUND // every)
+    if measured:  # the probes measured what they time: FP8-block distortion of a trained GPT
+        distortion = default_gpt_trainer.recorder.dataset()["distortion"].values
+        assert ((distortion > 0.99) & (distortion <= 1.0)).all()

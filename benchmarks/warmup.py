@@ -1,0 +1,67 @@
+"""Warm-up tax: how much longer a fresh process's first quant_error call takes than its steady state.
+
+    python benchmarks/warmup.py [--cold] [--formats e4m3,nvfp4]
+
+For each format and orientation a new Python process times three calls of quant_error on a
+4096 x 4096 float32 tensor, compiled (the default) and eager (PRECISION_SUITE_COMPILE=0). The tax
+is call 1 minus the faster of calls 2 and 3; the goal is at most 3 s (issue 11). Call 1 includes
+importing torch.compile's machinery, which the first compiled call of any process pays.
+--cold first points inductor's caches at an empty folder, so the compiled rows include compiling
+the kernels (what the first run on a machine pays); without it they read whatever the cache
+holds, as every later run does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+GOAL_S = 3.0
+CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e5m2", (1, 128)), ("e5m2", (128, 1)),
+         ("mxfp8", (1, 32)), ("mxfp8", (32, 1)), ("nvfp4", (1, 16)), ("nvfp4", (16, 1))]
+CHILD = """
+import json, sys, time
+import torch
+from precision_suite import quant_error
+x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0))
+times = []
+for _ in range(3):
+    start = time.perf_counter()
+    quant_error(x, sys.argv[1], (int(sys.argv[2]), int(sys.argv[3])))
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def call_times(fmt: str, layout: tuple[int, int], env: dict[str, str]) -> list[float]:
+    """Wall times of calls 1, 2 and 3 in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", CHILD, fmt, *map(str, layout)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cold", action="store_true", help="start from an empty inductor cache")
+    parser.add_argument("--formats", help="comma-separated subset, e.g. e4m3,nvfp4")
+    args = parser.parse_args()
+    cases = [c for c in CASES if not args.formats or c[0] in args.formats.split(",")]
+    env = dict(os.environ)
+    if args.cold:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="precision-suite-cold-")
+    print(f"{'case':18s} {'mode':8s} {'call 1':>8s} {'steady':>8s} {'tax':>8s}  goal: tax <= {GOAL_S:g} s")
+    for fmt, layout in cases:
+        for mode, extra in (("compiled", {}), ("eager", {"PRECISION_SUITE_COMPILE": "0"})):
+            times = call_times(fmt, layout, {**env, **extra})
+            steady = min(times[1:])
+            tax = times[0] - steady
+            print(f"{fmt + ' ' + str(layout):18s} {mode:8s} {times[0]:7.2f}s {steady:7.3f}s {tax:7.2f}s  "
+                  f"{'met' if tax <= GOAL_S else 'not met'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
