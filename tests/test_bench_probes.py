@@ -8,6 +8,7 @@ no test asserts a time. Without --benchmark-enable each mode runs once as a test
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,5 +53,7 @@ def test_step_time_with_probes(benchmark, default_gpt_trainer, mode):
     measured = benchmark.pedantic(train_round, rounds=7, warmup_rounds=1)
     assert len(measured) == (0 if every is None else STEPS_PER_ROUND // every)
     if measured:  # the probes measured what they time: FP8-block distortion of a trained GPT
+        # NaN where a tensor is not measured under a layout (activation under (128, 1), ...)
         distortion = default_gpt_trainer.recorder.dataset()["distortion"].values
-        assert ((distortion > 0.99) & (distortion <= 1.0)).all()
+        measured_cells = distortion[~np.isnan(distortion)]
+        assert measured_cells.size and ((measured_cells > 0.99) & (measured_cells <= 1.0)).all()
