@@ -346,6 +346,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
         series = [(panel.metric, {})]
 
     xs = var[x_dim].values if x_dim else np.zeros(1)
+    band_labelled = False  # one legend entry for every series' band
     for colour, (label, where) in zip(_palette(len(series)), series):
         ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, linewidth=2.2,
                 label=f"{label} current")
@@ -372,7 +373,9 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
                 # a band never suggests an impossible value (a negative fraction, a cosine > 1)
                 low, high = _valid_range(panel.metric)
                 ax.fill_between(ref_x, np.clip(edges[0], low, high), np.clip(edges[1], low, high),
-                                color=colour, alpha=0.15, linewidth=0)
+                                color=colour, alpha=0.15, linewidth=0,
+                                label=None if band_labelled else "shaded: accepted band")
+                band_labelled = True
 
     for bound in sorted({float(f.reference) for f in panel.findings
                          if f.kind == "threshold" and f.reference is not None}):
