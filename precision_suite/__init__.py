@@ -7,9 +7,27 @@ project that installs us) does not pay for importing torch until a test actually
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+
+def use_project_cache() -> None:
+    """Keep inductor's caches under $PRECISION_SUITE_CACHE_DIR (default ~/.cache/precision-suite),
+    unless TORCHINDUCTOR_CACHE_DIR says where: compiled kernels then outlive /tmp and one process,
+    so a fresh process loads its graphs instead of compiling them (tests/test_compile_cache.py)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+
+
+# At import of the package, before any inductor code runs in this process: inductor's first
+# lookup of its cache folder writes its /tmp default into TORCHINDUCTOR_CACHE_DIR, which then
+# wins. Set at our first compile instead, the project cache was never used in a pytest session
+# whose test modules imported torch._inductor first.
+use_project_cache()
 
 # public name -> defining module (one module per concept; see docs/architecture.md)
 _EXPORTS = {

@@ -187,16 +187,6 @@ def _inductor_backend(tag: str) -> Callable:
     return backend
 
 
-def _use_project_cache() -> None:
-    """Keep inductor's caches under $PRECISION_SUITE_CACHE_DIR (default ~/.cache/precision-suite),
-    unless TORCHINDUCTOR_CACHE_DIR says where: compiled kernels then outlive /tmp and one process,
-    so a fresh process loads its graphs instead of compiling them (tests/test_compile_cache.py)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
-
-
 def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout: Layout, pow2_scale: bool) -> Callable:
     def fused_blocks(b: torch.Tensor) -> T:
         return fn(b, fmt, pow2_scale)
@@ -204,7 +194,6 @@ def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout:
     # A code object of its own: dynamo keeps graphs (and its limit of 8) per code object, and
     # the closures of every function, format and layout would otherwise share one.
     fused_blocks.__code__ = fused_blocks.__code__.replace()
-    _use_project_cache()
     # dynamic=False: only the dimensions `fused` marks are dynamic. Automatic dynamic shapes would
     # also turn a format's constants into runtime inputs once a closure at this source line had
     # seen another format, and such kernels run at half the speed.

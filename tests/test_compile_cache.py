@@ -1,4 +1,4 @@
-"""The on-disk compile cache (quantization._use_project_cache) never serves a wrong kernel.
+"""The on-disk compile cache (precision_suite.use_project_cache) never serves a wrong kernel.
 
 A fresh process loads its compiled quantizers from inductor's FX graph cache instead of compiling
 them. The cache must hand a kernel only to the graphs it was compiled for: another format must
@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-from precision_suite.quantization import _use_project_cache
+from precision_suite import use_project_cache
 from test_oracle import _assert_bits_equal, _ours, _wide, oracle_fp8
 
 SHAPE_A, SHAPE_B = (256, 384), (384, 640)  # both above quantization.COMPILE_MIN_NUMEL
@@ -41,10 +41,13 @@ def test_a_cached_kernel_is_served_only_to_its_own_format_and_shape(tmp_path):
 
 
 def test_the_cache_lives_in_the_project_cache_dir_unless_inductor_is_told_where(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    # set first, so that teardown restores the variable whatever use_project_cache writes into it
+    # (a delenv of an absent variable records nothing, and the test's value leaked into later tests)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("PRECISION_SUITE_CACHE_DIR", str(tmp_path))
-    _use_project_cache()
+    use_project_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
-    _use_project_cache()
+    use_project_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
