@@ -203,7 +203,7 @@ def test_same_input_gives_identical_file_bytes(tmp_path, suffix):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files
 
 
-def test_png_charts_are_palette_images_a_third_of_the_plain_size(tmp_path):
+def test_png_charts_are_palette_images_under_half_the_plain_size(tmp_path):
     from PIL import Image
 
     fig = charts.plot_quant_error(make_run_dataset(model="gpt", depth=18))
