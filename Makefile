@@ -30,10 +30,10 @@ quick: $(BIN)/.installed
 	$(BIN)/python -m pytest -n auto -m "not slow" $(PYTEST_ARGS)
 
 # Ratios against their goals (printed at the end of the pytest run), then the warm-up tax of a
-# fresh process per format (benchmarks/warmup.py).
+# fresh process per format and of a small run per recipe (benchmarks/warmup.py).
 bench: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist
-	$(BIN)/python benchmarks/warmup.py
+	$(BIN)/python benchmarks/warmup.py --small-runs
 
 clean:
 	rm -rf $(VENV) reports/*/ .hypothesis .benchmarks

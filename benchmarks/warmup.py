@@ -1,6 +1,6 @@
 """Warm-up tax: how much longer a fresh process's first quant_error call takes than its steady state.
 
-    python benchmarks/warmup.py [--cold] [--formats e4m3,nvfp4]
+    python benchmarks/warmup.py [--cold] [--formats e4m3,nvfp4] [--small-runs]
 
 For each format and orientation a new Python process times three calls of quant_error on a
 4096 x 4096 float32 tensor, compiled (the default) and eager (PRECISION_SUITE_COMPILE=0). The tax
@@ -9,6 +9,10 @@ importing torch.compile's machinery, which the first compiled call of any proces
 --cold first points inductor's caches at an empty folder, so the compiled rows include compiling
 the kernels (what the first run on a machine pays); without it they read whatever the cache
 holds, as every later run does.
+
+--small-runs then times a small run in a fresh process per recipe (a 2-layer GPT, 5 steps, probes
+every step: a test's or a user's first try), as a run decides by itself (too small: eager) and
+with PRECISION_SUITE_COMPILE=1 (compiled anyway, what every run did before runs decided).
 """
 
 from __future__ import annotations
@@ -35,12 +39,20 @@ for _ in range(3):
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 """
+SMALL_RUN = """
+import json, sys, time
+from precision_suite.runs import RunSpec, run
+spec = RunSpec(model="gpt", depth=2, steps=5, sample_every=1, recipe=sys.argv[1])
+start = time.perf_counter()
+run(spec)
+print(json.dumps(time.perf_counter() - start))
+"""
+SMALL_RUN_RECIPES = ("fp8-block", "mxfp8", "nvfp4")
 
 
-def call_times(fmt: str, layout: tuple[int, int], env: dict[str, str]) -> list[float]:
-    """Wall times of calls 1, 2 and 3 in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", CHILD, fmt, *map(str, layout)], env=env,
-                         capture_output=True, text=True, check=True)
+def child_output(code: str, args: list[str], env: dict[str, str]) -> object:
+    """The JSON that `code` prints last, run in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -48,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cold", action="store_true", help="start from an empty inductor cache")
     parser.add_argument("--formats", help="comma-separated subset, e.g. e4m3,nvfp4")
+    parser.add_argument("--small-runs", action="store_true", help="also time a small run per recipe")
     args = parser.parse_args()
     cases = [c for c in CASES if not args.formats or c[0] in args.formats.split(",")]
     env = dict(os.environ)
@@ -56,11 +69,17 @@ def main() -> None:
     print(f"{'case':18s} {'mode':8s} {'call 1':>8s} {'steady':>8s} {'tax':>8s}  goal: tax <= {GOAL_S:g} s")
     for fmt, layout in cases:
         for mode, extra in (("compiled", {}), ("eager", {"PRECISION_SUITE_COMPILE": "0"})):
-            times = call_times(fmt, layout, {**env, **extra})
+            times = child_output(CHILD, [fmt, *map(str, layout)], {**env, **extra})
             steady = min(times[1:])
             tax = times[0] - steady
             print(f"{fmt + ' ' + str(layout):18s} {mode:8s} {times[0]:7.2f}s {steady:7.3f}s {tax:7.2f}s  "
                   f"{'met' if tax <= GOAL_S else 'not met'}", flush=True)
+    if args.small_runs:
+        print(f"\n{'small run (2-layer GPT)':24s} {'as decided':>11s} {'compiled':>9s}  (runs.run, imports excluded)")
+        for recipe in SMALL_RUN_RECIPES:
+            decided = child_output(SMALL_RUN, [recipe], env)
+            compiled = child_output(SMALL_RUN, [recipe], {**env, "PRECISION_SUITE_COMPILE": "1"})
+            print(f"{recipe:24s} {decided:10.1f}s {compiled:8.1f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -746,7 +746,8 @@ def _finish(verdicts: list, datasets: dict, report_dir: Path, charts: str,
 
     reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts, sensitivity=sensitivity)
     for verdict in verdicts:
-        first = f": {verdict.findings[0].message}" if verdict.findings else ""
+        # a finding's message names its case for the plugin's reports; this line already does
+        first = f": {verdict.findings[0].message.removeprefix(verdict.case + ': ')}" if verdict.findings else ""
         more = f" (+{len(verdict.findings) - 1} more)" if len(verdict.findings) > 1 else ""
         print(f"{verdict.status.upper():5} {verdict.case}{first}{more}")
         if verdict.known:

@@ -16,8 +16,9 @@ is taken; `QuantStats.metrics()` turns sums into the reported metrics:
   (distortion, sqnr, mse) so one bad value does not hide the rest of the tensor.
 
 Tensors of `quantization.COMPILE_MIN_NUMEL` elements or more take a torch.compile'd pass
-(`quantization.fused`) that fuses quantization and reductions into two sweeps over memory; set
-PRECISION_SUITE_COMPILE=0 to stay eager.
+(`quantization.fused`) that fuses quantization and reductions into two sweeps over memory, except
+inside a run too small for compiling to pay (`quantization.compile_pays`); set
+PRECISION_SUITE_COMPILE=0 to stay eager, =1 to compile in small runs too.
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ both.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, TypeVar
 
@@ -29,6 +32,13 @@ TINY_SCALE = 2.0**-126
 # tensors this small (a model's smallest weights, the random shapes of property tests) take
 # under a millisecond eagerly, while a 128 x 384 weight takes several.
 COMPILE_MIN_NUMEL = 1 << 15
+# A run compiles only when its quantizers see this many elements (Trainer.quantized_elements).
+# Compiling costs a process about 3 s of torch.compile imports plus 1.3 s per graph loaded from the
+# kernel cache (benchmarks/warmup.py; 5-15 s more per graph when the cache is cold), so 5-8 s for a
+# recipe's graphs; eager costs 10-20 ns per element more than compiled to quantize and 60-80 ns
+# more to measure (2-core x86 host, 64k-262k element tensors). Break-even is near 1e8 quantized
+# elements; a run below it (a test's or a user's small model) never pays the compile tax.
+COMPILE_MIN_RUN_ELEMENTS = 10**8
 _F32_EXP_MASK = 0x7F800000
 _F32_MAN_BITS = 23
 
@@ -135,8 +145,11 @@ class BlockQDQ(NamedTuple):
     amax: torch.Tensor  # (nbr, 1, nbc, 1), the largest finite |x| of each block
 
 
-def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> BlockQDQ:
-    """Quantize-dequantize float32 blocks `(nbr, r, nbc, c)`.
+def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False,
+               rounding: Callable[[torch.Tensor, ElementType], torch.Tensor] | None = None) -> BlockQDQ:
+    """Quantize-dequantize float32 blocks `(nbr, r, nbc, c)`; `rounding(scaled, element)` puts the
+    scaled elements (within +-element.max) on the grid: `round_to_element` (looked up when called,
+    so a planted rounding bug reaches it) or e.g. `stochastic_round` with a generator.
 
     A zero scale (an NVFP4 block scale that underflowed E4M3) flushes its block: dividing by an
     infinite stand-in scale sends every finite element to zero.
@@ -145,7 +158,7 @@ def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> B
     scales = block_scales(amax, fmt, pow2_scale)
     scaled = blocks / torch.where(scales > 0, scales, torch.inf)
     element = fmt.element
-    q = round_to_element(scaled.clamp(-element.max, element.max), element)
+    q = (rounding or round_to_element)(scaled.clamp(-element.max, element.max), element)
     return BlockQDQ(q * scales, scales, scaled, amax)
 
 
@@ -158,6 +171,27 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = Fals
 T = TypeVar("T")
 _compiled: dict[tuple[Callable, Format, Layout, bool], Callable] = {}
 _compile_failed = False
+# False inside `compiling_if(False)`: a run too small for compiling to pay
+_run_compiles: contextvars.ContextVar[bool] = contextvars.ContextVar("precision_suite_run_compiles", default=True)
+
+
+def compile_pays(elements: int) -> bool:
+    """Whether a run whose quantizers see `elements` elements in all should compile them."""
+    return elements >= COMPILE_MIN_RUN_ELEMENTS
+
+
+@contextmanager
+def compiling_if(pays: bool) -> Iterator[None]:
+    """Inside the block, `fused` stays eager unless `pays` (tensors below COMPILE_MIN_NUMEL stay
+    eager either way). A run decides once, from its spec (`compile_pays`), so its numbers do not
+    depend on what the process compiled before."""
+    token = _run_compiles.set(pays)
+    try:
+        yield
+    finally:
+        _run_compiles.reset(token)
+
+
 _INDUCTOR_OPTIONS = {
     # Every intermediate of a fused function is a pointwise function of the blocks on its way into
     # a reduction: recomputing it in the sweep over the blocks costs a few vector ops, storing it a
@@ -211,11 +245,14 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
     dynamic dimension and the block shape a static one, so one graph per function, format and
     layout (and pattern of single-block dimensions) serves every tensor size, with the
     block's own loops vectorized as in a shape-specialised kernel. Eager is used for small
-    inputs, with PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++ compiler): same
-    numbers, up to the order of float64 summation.
+    inputs, inside a run too small for compiling to pay (`compiling_if`; PRECISION_SUITE_COMPILE=1
+    compiles there too), with PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++
+    compiler): same numbers, up to the order of float64 summation.
     """
     global _compile_failed
-    if blocks.numel() >= COMPILE_MIN_NUMEL and not _compile_failed and os.environ.get("PRECISION_SUITE_COMPILE", "1") != "0":
+    setting = os.environ.get("PRECISION_SUITE_COMPILE", "")  # "0": never, "1": even in a small run
+    if (blocks.numel() >= COMPILE_MIN_NUMEL and setting != "0" and (setting == "1" or _run_compiles.get())
+            and not _compile_failed):
         key = (fn, fmt, layout, pow2_scale)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:
             _compiled[key] = _compile(fn, fmt, layout, pow2_scale)

@@ -75,11 +75,10 @@ class Operand:
             return quantize(x2d, self.fmt, self.layout).dequantized
         if generator is None:
             raise ValueError("stochastic rounding needs a generator: build the model's recipe with set_recipe")
-        fmt = get_format(self.fmt)
         blocks = to_blocks(x2d.float(), self.layout)
-        scales = quantization.block_scales(quantization._finite_amax(blocks), fmt)
-        scaled = (blocks / torch.where(scales > 0, scales, torch.inf)).clamp(-fmt.element.max, fmt.element.max)
-        return from_blocks(quantization.stochastic_round(scaled, fmt.element, generator) * scales, *x2d.shape)
+        result = quantization.qdq_blocks(blocks, get_format(self.fmt),
+                                         rounding=lambda y, element: quantization.stochastic_round(y, element, generator))
+        return from_blocks(result.dequantized, *x2d.shape)
 
     def text(self) -> str:
         if self.fmt == HIGH_PRECISION:
@@ -136,20 +135,30 @@ class Recipe:
     def uses_stochastic_rounding(self) -> bool:
         return any(op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b))
 
-    def check_fits(self, in_features: int, out_features: int, tokens: int, what: str) -> None:
-        """ValueError when a block is bigger than the operand it would cut."""
+    def operands(self, in_features: int, out_features: int, tokens: int) -> list[tuple[str, Operand, tuple[int, int]]]:
+        """("fprop.a", operand, 2-D shape), ... for the six operands of a linear layer fed `tokens` rows."""
         shapes = {"fprop": ((tokens, in_features), (out_features, in_features)),
                   "dgrad": ((tokens, out_features), (out_features, in_features)),
                   "wgrad": ((tokens, out_features), (tokens, in_features))}
-        for gemm_name, (a_shape, b_shape) in shapes.items():
-            gemm = getattr(self, gemm_name)
-            for operand, role, shape in ((gemm.a, "a", a_shape), (gemm.b, "b", b_shape)):
-                layout = operand.layout
-                if operand.fmt != HIGH_PRECISION and layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
-                    raise ValueError(
-                        f"{what}: recipe {self.name!r} cuts the {gemm_name} operand {operand.text()} "
-                        f"({shape[0]}x{shape[1]}) into {layout[0]}x{layout[1]} blocks, bigger than the tensor; "
-                        f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
+        return [(f"{name}.{side}", getattr(getattr(self, name), side), shape)
+                for name, side_shapes in shapes.items() for side, shape in zip("ab", side_shapes)]
+
+    def check_fits(self, in_features: int, out_features: int, tokens: int, what: str) -> None:
+        """ValueError when a block is bigger than the operand it would cut."""
+        for where, operand, shape in self.operands(in_features, out_features, tokens):
+            layout = operand.layout
+            if operand.fmt != HIGH_PRECISION and layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
+                raise ValueError(
+                    f"{what}: recipe {self.name!r} cuts the {where.split('.')[0]} operand {operand.text()} "
+                    f"({shape[0]}x{shape[1]}) into {layout[0]}x{layout[1]} blocks, bigger than the tensor; "
+                    f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
+
+    def quantized_elements(self, in_features: int, out_features: int, tokens: int) -> int:
+        """Elements one training step quantizes in a linear layer fed `tokens` rows (a dgrad
+        weight quantized as in fprop is reused, see QuantLinearFn.backward)."""
+        reused = self.dgrad.b == self.fprop.b
+        return sum(math.prod(shape) for where, operand, shape in self.operands(in_features, out_features, tokens)
+                   if operand.fmt != HIGH_PRECISION and not (reused and where == "dgrad.b"))
 
     def describe(self) -> dict[str, Any]:
         return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard}
@@ -337,6 +346,13 @@ class QuantLinear(nn.Linear):
         return QuantLinearFn.apply(x, self.weight, self.bias, self.recipe, self.generator)
 
 
+def recipe_layers(model: nn.Module) -> list[nn.Linear]:
+    """The layers a recipe quantizes: the model's ``QuantLinear`` layers, or every ``nn.Linear``
+    of a model that has none (see ``set_recipe``)."""
+    quant_linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return quant_linears or [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
 def set_recipe(model: nn.Module, recipe: Recipe | Scheme | None, seed: int = 0) -> None:
     """Train the GEMMs of ``model`` with ``recipe`` (None: plain float GEMMs).
 
@@ -347,13 +363,12 @@ def set_recipe(model: nn.Module, recipe: Recipe | Scheme | None, seed: int = 0) 
     """
     if isinstance(recipe, Scheme):
         recipe = Recipe.from_scheme(recipe)
-    quant_linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    layers = quant_linears or [m for m in model.modules() if isinstance(m, nn.Linear)]
+    layers = recipe_layers(model)
     for index, module in enumerate(layers):
         generator = None
         if recipe is not None and recipe.uses_stochastic_rounding():
             generator = torch.Generator(device=module.weight.device).manual_seed(seed * 1_000_003 + index)
-        if quant_linears:
+        if isinstance(module, QuantLinear):
             module.recipe, module.generator = recipe, generator
             continue
         module.__dict__.pop("forward", None)

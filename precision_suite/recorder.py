@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from precision_suite.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme
+from precision_suite.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
 from precision_suite.views import run_dataset
 
 WeightReader = Callable[[nn.Module], Tensor]
@@ -215,6 +215,14 @@ class Recorder:
                 output.register_hook(on_gradient)
 
         return hook
+
+    def measured_elements(self, tokens: int) -> int:
+        """Elements one sampled step measures when every selected GEMM is fed `tokens` rows."""
+        total = 0
+        for module, read_weight in self.gemms.values():
+            out_features, in_features = read_weight(module).shape
+            total += sum(math.prod(shape) for shape in operand_shapes(in_features, out_features, tokens).values())
+        return total * len(self.schemes)
 
     # -- results -----------------------------------------------------------------------------
     def dataset(self, case: str = "run", attrs: Mapping[str, Any] | None = None) -> xr.Dataset:

@@ -30,7 +30,8 @@ from precision_suite.metric_table import METRICS
 from precision_suite.imports import is_import_string, load_object
 from precision_suite.recorder import Recorder, instrument
 from precision_suite.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
-from precision_suite.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, set_recipe
+from precision_suite.quantization import compile_pays, compiling_if
+from precision_suite.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, recipe_layers, set_recipe
 
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side
@@ -269,6 +270,18 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
         self.batch_size = spec.resolved_batch_size()
+        # decided at the first step (a user's model: from its first batch), from the spec alone
+        self.compiles: bool | None = None
+
+    def quantized_elements(self, tokens: int) -> int:
+        """Elements the run's quantizers see, GEMMs fed `tokens` rows: the recipe's on every step,
+        the probes' on every sampled step."""
+        recipe = self.spec.training_recipe()
+        per_step = 0
+        if recipe is not None:
+            for layer in recipe_layers(self.model):
+                per_step += recipe.quantized_elements(layer.in_features, layer.out_features, tokens)
+        return self.spec.steps * per_step + len(self.spec.sampled_steps()) * self.recorder.measured_elements(tokens)
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.user_batches is not None:
@@ -285,7 +298,10 @@ class Trainer:
     def step(self, index: int, sample: bool) -> tuple[float, float]:
         """Train on one batch (measured by the recorder if ``sample``); returns (loss, accuracy)."""
         inputs, targets = self._batch()
-        with self.recorder.step(index, sample=sample):
+        if self.compiles is None:  # a user's model: one token per target
+            tokens = targets.numel() if self.user_batches is not None else self.spec.tokens_per_step()
+            self.compiles = compile_pays(self.quantized_elements(tokens))
+        with compiling_if(self.compiles), self.recorder.step(index, sample=sample):
             logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
             loss = F.cross_entropy(logits, targets)
             loss.backward()

@@ -220,3 +220,58 @@ def test_cuda_run_records_its_device():
     ds = run(RunSpec(device="cuda", recipe="fp8-block", **TINY_GPT))
     assert json.loads(ds.attrs["fingerprint"])["device"] != "cpu"
     assert np.isfinite(ds.underflow.sel(tensor="gradient_transpose", layout="128x1")).all()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "nvfp4"])
+def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element(recipe, monkeypatch):
+    """The compile decision's estimate is the number of elements the run's quantizers really see
+    (counted where every quantizer checks its input), and a run below COMPILE_MIN_RUN_ELEMENTS
+    compiles nothing, so it pays no compile tax."""
+    from precision_suite import metrics, quantization
+
+    seen: list[int] = []
+    check = quantization.check_tensor
+
+    def counting_check(x, name="x"):
+        seen.append(x.numel())
+        return check(x, name)
+
+    monkeypatch.setattr(quantization, "check_tensor", counting_check)
+    monkeypatch.setattr(metrics, "check_tensor", counting_check)
+    monkeypatch.setattr(quantization, "_compile", lambda *args: pytest.fail("a small run compiled a quantizer"))
+    spec = RunSpec(model="gpt", depth=1, steps=3, sample_every=2, recipe=recipe).validate()
+    torch.manual_seed(0)
+    trainer = runs.Trainer(spec, torch.device("cpu"))
+    sampled = set(spec.sampled_steps())
+    for index in range(spec.steps):
+        trainer.step(index, sample=index in sampled)
+    assert trainer.compiles is False
+    assert sum(seen) == trainer.quantized_elements(spec.tokens_per_step())
+    assert not quantization.compile_pays(sum(seen))
+    assert quantization.compile_pays(quantization.COMPILE_MIN_RUN_ELEMENTS)
+
+
+def test_every_default_case_compiles_so_its_baseline_numbers_are_those_of_the_kernels():
+    from precision_suite.matrix import default_matrix
+    from precision_suite.quantization import compile_pays
+
+    for spec in default_matrix():
+        torch.manual_seed(0)
+        trainer = runs.Trainer(spec.validate(), torch.device("cpu"))
+        assert compile_pays(trainer.quantized_elements(spec.tokens_per_step())), case_id(spec)
+
+
+def test_compile_1_compiles_even_a_small_run(monkeypatch):
+    from precision_suite import quantization
+
+    compiled: list[tuple] = []
+
+    def record(fn, fmt, layout, pow2_scale):
+        compiled.append((fn.__name__, fmt.name, layout))
+        return lambda blocks: fn(blocks, fmt, pow2_scale)  # eager stand-in: no compile tax here
+
+    monkeypatch.setattr(quantization, "_compiled", {})
+    monkeypatch.setattr(quantization, "_compile", record)
+    monkeypatch.setenv("PRECISION_SUITE_COMPILE", "1")
+    run(RunSpec(model="gpt", depth=1, steps=1, recipe="fp8-block"))
+    assert ("_block_sums", "e4m3", (1, 128)) in compiled and ("dequantize_blocks", "e4m3", (1, 128)) in compiled
