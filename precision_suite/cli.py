@@ -207,8 +207,9 @@ def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
                              f"(default: ./{DEFAULT_RULES_FILE}, skipped if absent)")
     parser.add_argument("--report-dir", metavar="DIR",
                         help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
-    parser.add_argument("--charts", choices=("failing", "all"), default=charts_default,
-                        help=f"draw charts for failing/drifting cases or all (default: {charts_default})")
+    parser.add_argument("--charts", choices=("failing", "all", "none"), default=charts_default,
+                        help="draw charts for failing/drifting cases, all, or none (the verdicts, summaries and "
+                             f"tables only: seconds faster per chart) (default: {charts_default})")
 
 
 def _seed(text: str) -> int:
@@ -280,7 +281,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         case = runs.case_id(spec)
         if args.save_results:
             files.save_dataset(ds, _result_path(args.save_results, case))
-        verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir,
+        verdicts.append(_judge(case, ds, references[case], rules, tolerances, report_dir, args.charts,
                                _regen_command(args, case)))
         datasets[case] = ds
     return _finish(verdicts, datasets, report_dir, args.charts,
@@ -294,7 +295,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     rules, tolerances = _load_rules(args.rules)
     tolerances = [tolerances, _parse_fail_rules(args.fail)]  # --fail applies over the project's
     report_dir = _report_dir(args.report_dir)
-    verdicts = [_judge(case, current, reference, rules, tolerances, report_dir)
+    verdicts = [_judge(case, current, reference, rules, tolerances, report_dir, args.charts)
                 for case, (reference, current) in pairs.items()]
     return _finish(verdicts, {case: current for case, (_, current) in pairs.items()},
                    report_dir, args.charts)
@@ -368,14 +369,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         ds = ds.assign_attrs(case=f"{case} [{label}]")
         files.save_dataset(ds, report_dir / "results" / f"{files.safe_filename(ds.attrs['case'])}.nc")
         _tabulate(table, verdicts, case, label, _judge(case, ds, references[case], rules, tolerances,
-                                                     report_dir))
+                                                     report_dir, args.charts))
     for case, reference in references.items():  # free held-out runs: each member against the rest
         if len(ensemble.ensemble_seeds(reference)) < 3:
             continue  # one seed left: no spread to judge by
         for seed, member, others in ensemble.leave_one_out(reference):
             label = f"seed {seed} left out"
             member = member.assign_attrs(case=f"{case} [{label}]")
-            outcome = _judge(case, member, others, rules, tolerances, report_dir)
+            outcome = _judge(case, member, others, rules, tolerances, report_dir, args.charts)
             _tabulate(table, verdicts, case, label, outcome)
     detectable = {runs.case_id(spec): ensemble.detectable_change(ds, references[runs.case_id(spec)])
                   for spec, ds in zip(specs, results[::len(perturbations)])}
@@ -449,7 +450,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             reference = references[case] = _load_reference(baselines, args.baseline_dir, case,
                                                            ds.attrs.get("spec"),
                                                            baselines.default_regen_hint(case))
-        verdicts.append(_judge(case, ds, reference, rules, tolerances, report_dir))
+        verdicts.append(_judge(case, ds, reference, rules, tolerances, report_dir, args.charts))
     sensitivity = _sensitivity(references, results, args.baseline_dir) if references else None
     return _finish(verdicts, results, report_dir, args.charts, sensitivity)
 
@@ -709,16 +710,17 @@ def _load_rules(pyproject: str) -> tuple[tuple, dict]:
 
 
 def _judge(case: str, current, reference, rules: Sequence, tolerances: dict | list, report_dir: Path,
-           regen_hint: str = ""):
+           charts: str, regen_hint: str = ""):
     """The verdict of one case by the one judging engine (precision_suite.judge); chart and
-    obtained files are named by the dataset's case label (calibrate labels its perturbations)."""
+    obtained files are named by the dataset's case label (calibrate labels its perturbations);
+    `charts="none"` draws no drift chart."""
     from precision_suite import files, judge, matrix
 
     name = files.safe_filename(str(current.attrs.get("case", case)))
     try:
         return judge.judge_case(current, reference, rules=rules, tolerances=tolerances,
                                 known=matrix.KNOWN_VIOLATIONS.get(case, ""),
-                                chart_path=report_dir / "charts" / f"{name}-drift.png",
+                                chart_path=None if charts == "none" else report_dir / "charts" / f"{name}-drift.png",
                                 obtained_path=report_dir / "obtained" / f"{name}.nc",
                                 regen_hint=regen_hint)
     except ValueError as exc:  # a tolerance override that does not make sense

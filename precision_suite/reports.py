@@ -38,7 +38,7 @@ from precision_suite.findings import severity
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
                 "pass": "✅ pass"}
-CHART_CHOICES = ("failing", "all")
+CHART_CHOICES = ("failing", "all", "none")
 SUMMARY_SCHEMA_VERSION = 1
 MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
 MAX_MARKDOWN_BYTES = 1024 * 1024  # GitHub's job-summary limit: summary.md must fit
@@ -75,8 +75,9 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
     for each failing/drifting/erroring case (`charts="failing"`) or every case (`charts="all"`),
-    and always the overview: figure A per model and recipe across variants, figure B once. Chart
-    files named by the verdicts (drift charts) are copied into the folder so that it stands alone.
+    and always the overview: figure A per model and recipe across variants, figure B once;
+    `charts="none"` draws nothing (the verdicts and tables only). Chart files named by the
+    verdicts (drift charts) are copied into the folder so that it stands alone.
     `known` maps a case to the reason its failure is a known violation (shown beside it).
     `sensitivity` states how trustworthy the comparison is: `design_false_alarm_rate`, `measured`
     (what `precision-suite calibrate` counted on these baselines, or None) and
@@ -96,10 +97,11 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     for verdict in ordered:
         adopted, missing = _adopt_charts(out, verdict.case, verdict.charts)
         dataset = datasets.get(verdict.case)
-        if dataset is not None and (charts == "all" or verdict.status != "pass"):
+        if dataset is not None and charts != "none" and (charts == "all" or verdict.status != "pass"):
             adopted += _draw_case_charts(out, verdict.case, dataset)
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
-    overview = _draw_overviews(out, datasets)  # figures A and B: always, they are the picture
+    # figures A and B, unless no chart is wanted: they are the picture
+    overview = _draw_overviews(out, datasets) if charts != "none" else []
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(entries, overview, known)

@@ -161,7 +161,7 @@ def test_failing_comparison_never_touches_the_baseline(workdir, fake_training):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     before = (workdir / "baselines" / "vit-x-1-fp32.nc").read_bytes()
     planted.add("vit-x-1-fp32")
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out", "--charts", "none"]) == 1
     assert (workdir / "baselines" / "vit-x-1-fp32.nc").read_bytes() == before
 
 
@@ -169,7 +169,7 @@ def test_rules_from_pyproject_are_checked(workdir, fake_training, capsys):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     (workdir / "pyproject.toml").write_text(
         '[tool.precision_suite]\nrules = ["attention_norm <= 3 @ layer=3"]\n')
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out", "--charts", "none"]) == 1
     assert "rule 'attention_norm <= 3 @ layer=3' violated" in capsys.readouterr().out
     (workdir / "pyproject.toml").write_text('[tool.precision_suite]\nrules = ["attention_norm <<= 3"]\n')
     assert cli.main(["run", "--config", "cases.toml"]) == 2
@@ -182,7 +182,7 @@ def test_known_violations_report_but_do_not_fail_unless_the_baseline_regresses(w
     monkeypatch.setitem(matrix.KNOWN_VIOLATIONS, "vit-x-1-fp32", "a documented numerics problem")
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     (workdir / "pyproject.toml").write_text('[tool.precision_suite]\nrules = ["attention_norm <= 3 @ attention=x/1"]\n')
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "known"]) == 0
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "known", "--charts", "none"]) == 0
     out = capsys.readouterr().out
     assert "KNOWN vit-x-1-fp32" in out and "known violation, not failing the run: a documented" in out
     summary = _summary(workdir / "known")
@@ -191,7 +191,7 @@ def test_known_violations_report_but_do_not_fail_unless_the_baseline_regresses(w
     assert summary["overall"] == "pass" and summary["counts"]["known"] == 1
     assert "known violation, not failing the run" in (workdir / "known" / "summary.md").read_text()
     planted.add("vit-x-1-fp32")
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "regressed"]) == 1
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "regressed", "--charts", "none"]) == 1
 
 
 @pytest.mark.parametrize("config, message", [
@@ -211,7 +211,7 @@ def test_report_from_saved_results_without_training(workdir, fake_training, caps
     _, trained = fake_training
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     assert cli.main(["run", "--config", "cases.toml", "--save-results", "results",
-                     "--report-dir", "first"]) == 0
+                     "--report-dir", "first", "--charts", "none"]) == 0
     trained.clear()
     assert cli.main(["report", "results", "--report-dir", "again"]) == 0
     assert trained == []
@@ -246,18 +246,22 @@ def test_compare_folders_exit_codes_and_fail_overrides(workdir, capsys):
         _save(workdir / "base", _synthetic(spec))
         _save(workdir / "same", _synthetic(spec))
         _save(workdir / "worse", _synthetic(spec, planted=spec.attention == "x/1"))
-    assert cli.main(["compare", "base", "same", "--report-dir", "r1"]) == 0
-    assert cli.main(["compare", "base", "worse", "--report-dir", "r2"]) == 1
-    assert _summary(workdir / "r2")["cases"][0]["case"] == "vit-x-1-fp32"
+    # the verdicts alone: no chart, the drift chart of the failing case and the overviews included
+    fast = ["--charts", "none"]
+    assert cli.main(["compare", "base", "same", "--report-dir", "r1", *fast]) == 0
+    assert cli.main(["compare", "base", "worse", "--report-dir", "r2", *fast]) == 1
+    failing = _summary(workdir / "r2")["cases"][0]
+    assert failing["case"] == "vit-x-1-fp32" and failing["charts"] == []
+    assert not (workdir / "r2" / "charts").exists() and not _summary(workdir / "r2")["overview_charts"]
     # a looser underflow tolerance on the command line accepts the planted +0.1
-    assert cli.main(["compare", "base", "worse", "--fail", "underflow:0.5", "--report-dir", "r3"]) == 0
+    assert cli.main(["compare", "base", "worse", "--fail", "underflow:0.5", "--report-dir", "r3", *fast]) == 0
     # and a tighter one catches a change that the default tolerance (5e-4) accepts
     for spec in specs:
         slightly = _synthetic(spec)
         slightly["underflow"].loc[PLANTED] = slightly["underflow"].loc[PLANTED] + 1e-4
         _save(workdir / "slightly", slightly)
-    assert cli.main(["compare", "base", "slightly", "--report-dir", "r4"]) == 0
-    assert cli.main(["compare", "base", "slightly", "--fail", "underflow:1e-5", "--report-dir", "r5"]) == 1
+    assert cli.main(["compare", "base", "slightly", "--report-dir", "r4", *fast]) == 0
+    assert cli.main(["compare", "base", "slightly", "--fail", "underflow:1e-5", "--report-dir", "r5", *fast]) == 1
     capsys.readouterr()
     for bad in ("underflow", "underflow:-1", "underflow:abc", "bogus_metric:1"):
         assert cli.main(["compare", "base", "worse", "--fail", bad]) == 2
@@ -294,11 +298,11 @@ def test_real_training_end_to_end(workdir, capsys):
 
 def test_calibrate_measures_false_alarms_and_every_later_report_states_them(workdir, fake_training, capsys):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "before"]) == 0
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "before", "--charts", "none"]) == 0
     assert "Not measured on these baselines yet" in (workdir / "before" / "summary.md").read_text()
 
     assert cli.main(["calibrate", "--workers", "1", "--config", "cases.toml", "--report-dir", "cal",
-                     "--held-out-seeds", "100", "101"]) == 0
+                     "--held-out-seeds", "100", "101", "--charts", "none"]) == 0
     out = capsys.readouterr().out
     # 2 cases x (2 rounding perturbations + 2 held-out seeds) trained, 2 x 4 members left out
     assert "16 perturbed runs (8 trained, 8 members left out of their ensemble), 0 with a FAIL" in out
@@ -306,7 +310,7 @@ def test_calibrate_measures_false_alarms_and_every_later_report_states_them(work
     assert (measured["runs"], measured["runs_with_alarms"]) == (16, 0)
     assert "seed 3 left out" in measured["perturbations"]
 
-    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "after"]) == 0
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "after", "--charts", "none"]) == 0
     summary = _summary(workdir / "after")
     assert summary["sensitivity"]["measured"] == measured
     assert set(summary["sensitivity"]["detectable_change"]) == {"vit-softmax-fp32", "vit-x-1-fp32"}
@@ -324,7 +328,7 @@ def test_shards_split_the_matrix_and_one_report_merges_them(workdir, fake_traini
     for index in (1, 2, 3):
         trained.clear()
         assert cli.main(["run", "--shard", f"{index}/3", "--save-results", f"shard{index}",
-                         "--report-dir", f"report{index}"]) == 0
+                         "--report-dir", f"report{index}", "--charts", "none"]) == 0
         shards.append([case_id(s) for s in trained])
     assert sorted(sum(shards, [])) == sorted(every)  # every case in exactly one shard
     assert all(shards) and shards[0] == every[0::3]  # deterministic: dealt in matrix order
