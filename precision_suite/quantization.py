@@ -12,7 +12,6 @@ both.
 
 from __future__ import annotations
 
-import contextvars
 import os
 import warnings
 from collections.abc import Iterator
@@ -171,8 +170,11 @@ def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = Fals
 T = TypeVar("T")
 _compiled: dict[tuple[Callable, Format, Layout, bool], Callable] = {}
 _compile_failed = False
-# False inside `compiling_if(False)`: a run too small for compiling to pay
-_run_compiles: contextvars.ContextVar[bool] = contextvars.ContextVar("precision_suite_run_compiles", default=True)
+# False inside `compiling_if(False)`: a run too small for compiling to pay. A process-wide flag, not
+# a context variable: autograd runs a CUDA backward (dgrad, wgrad, the gradient probes) on a thread
+# of its own, which would not see the run's context; a process trains one run at a time.
+_run_compiles = True
+COMPILE_SETTINGS = ("", "0", "1")  # PRECISION_SUITE_COMPILE: unset (each run decides), never, always
 
 
 def compile_pays(elements: int) -> bool:
@@ -185,11 +187,12 @@ def compiling_if(pays: bool) -> Iterator[None]:
     """Inside the block, `fused` stays eager unless `pays` (tensors below COMPILE_MIN_NUMEL stay
     eager either way). A run decides once, from its spec (`compile_pays`), so its numbers do not
     depend on what the process compiled before."""
-    token = _run_compiles.set(pays)
+    global _run_compiles
+    saved, _run_compiles = _run_compiles, bool(pays)
     try:
         yield
     finally:
-        _run_compiles.reset(token)
+        _run_compiles = saved
 
 
 _INDUCTOR_OPTIONS = {
@@ -251,7 +254,10 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
     """
     global _compile_failed
     setting = os.environ.get("PRECISION_SUITE_COMPILE", "")  # "0": never, "1": even in a small run
-    if (blocks.numel() >= COMPILE_MIN_NUMEL and setting != "0" and (setting == "1" or _run_compiles.get())
+    if setting not in COMPILE_SETTINGS:
+        warnings.warn(f"PRECISION_SUITE_COMPILE={setting!r} is not one of 0 (never compile), 1 (compile small "
+                      "runs too) or unset (each run decides); each run decides", stacklevel=2)
+    if (blocks.numel() >= COMPILE_MIN_NUMEL and setting != "0" and (setting == "1" or _run_compiles)
             and not _compile_failed):
         key = (fn, fmt, layout, pow2_scale)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:

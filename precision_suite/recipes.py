@@ -154,11 +154,13 @@ class Recipe:
                     f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
 
     def quantized_elements(self, in_features: int, out_features: int, tokens: int) -> int:
-        """Elements one training step quantizes in a linear layer fed `tokens` rows (a dgrad
-        weight quantized as in fprop is reused, see QuantLinearFn.backward)."""
+        """Elements one training step quantizes through `quantize` (the compilable path) in a
+        linear layer fed `tokens` rows: not the stochastically rounded operands (always eager), nor
+        a dgrad weight quantized as in fprop (reused, see QuantLinearFn.backward)."""
         reused = self.dgrad.b == self.fprop.b
         return sum(math.prod(shape) for where, operand, shape in self.operands(in_features, out_features, tokens)
-                   if operand.fmt != HIGH_PRECISION and not (reused and where == "dgrad.b"))
+                   if operand.fmt != HIGH_PRECISION and operand.rounding == "nearest"
+                   and not (reused and where == "dgrad.b"))
 
     def describe(self) -> dict[str, Any]:
         return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard}

@@ -270,7 +270,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
         self.batch_size = spec.resolved_batch_size()
-        # decided at the first step (a user's model: from its first batch), from the spec alone
+        # whether the quantizers compile: decided at the first step, from the spec (and for a
+        # user's model the shape of its first batch), never from what the process compiled before
         self.compiles: bool | None = None
 
     def quantized_elements(self, tokens: int) -> int:
@@ -298,7 +299,9 @@ class Trainer:
     def step(self, index: int, sample: bool) -> tuple[float, float]:
         """Train on one batch (measured by the recorder if ``sample``); returns (loss, accuracy)."""
         inputs, targets = self._batch()
-        if self.compiles is None:  # a user's model: one token per target
+        if self.compiles is None:
+            # a user's model: one GEMM row per target (a classifier's sequences have more rows: its
+            # estimate is low, so a large one may stay eager; PRECISION_SUITE_COMPILE=1 compiles it)
             tokens = targets.numel() if self.user_batches is not None else self.spec.tokens_per_step()
             self.compiles = compile_pays(self.quantized_elements(tokens))
         with compiling_if(self.compiles), self.recorder.step(index, sample=sample):

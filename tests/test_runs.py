@@ -222,7 +222,7 @@ def test_cuda_run_records_its_device():
     assert np.isfinite(ds.underflow.sel(tensor="gradient_transpose", layout="128x1")).all()
 
 
-@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "nvfp4", "nvfp4-training"])
 def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element(recipe, monkeypatch):
     """The compile decision's estimate is the number of elements the run's quantizers really see
     (counted where every quantizer checks its input), and a run below COMPILE_MIN_RUN_ELEMENTS
@@ -238,6 +238,8 @@ def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element
 
     monkeypatch.setattr(quantization, "check_tensor", counting_check)
     monkeypatch.setattr(metrics, "check_tensor", counting_check)
+    # an empty table of compiled functions: every compiled call would have to compile first
+    monkeypatch.setattr(quantization, "_compiled", {})
     monkeypatch.setattr(quantization, "_compile", lambda *args: pytest.fail("a small run compiled a quantizer"))
     spec = RunSpec(model="gpt", depth=1, steps=3, sample_every=2, recipe=recipe).validate()
     torch.manual_seed(0)
