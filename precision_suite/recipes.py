@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from precision_suite.formats import get_format
 from precision_suite.layouts import Layout, from_blocks, parse_layout, to_blocks
-from precision_suite.probes import Scheme, get_scheme, transpose_layout
+from precision_suite.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 from precision_suite import quantization  # by module: a planted bug in its scale rule reaches us too
 from precision_suite.quantization import quantize
 
@@ -85,6 +85,11 @@ class Operand:
             return HIGH_PRECISION
         layout = "tensor" if self.layout == "tensor" else f"{self.layout[0]}x{self.layout[1]}"
         return f"{self.fmt}:{layout}" + (":stochastic" if self.rounding == "stochastic" else "")
+
+
+# each GEMM operand of y = x W^T as the tensor role the probes measure it under (probes.py)
+OPERAND_ROLES = {"fprop.a": "activation", "fprop.b": "weight", "dgrad.a": "gradient", "dgrad.b": "weight",
+                 "wgrad.a": "gradient_transpose", "wgrad.b": "activation"}
 
 
 @dataclass(frozen=True)
@@ -136,12 +141,11 @@ class Recipe:
         return any(op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b))
 
     def operands(self, in_features: int, out_features: int, tokens: int) -> list[tuple[str, Operand, tuple[int, int]]]:
-        """("fprop.a", operand, 2-D shape), ... for the six operands of a linear layer fed `tokens` rows."""
-        shapes = {"fprop": ((tokens, in_features), (out_features, in_features)),
-                  "dgrad": ((tokens, out_features), (out_features, in_features)),
-                  "wgrad": ((tokens, out_features), (tokens, in_features))}
-        return [(f"{name}.{side}", getattr(getattr(self, name), side), shape)
-                for name, side_shapes in shapes.items() for side, shape in zip("ab", side_shapes)]
+        """("fprop.a", operand, 2-D shape), ... for the six operands of a linear layer fed `tokens`
+        rows, each shaped as the tensor role it is (probes.operand_shapes)."""
+        shapes = operand_shapes(in_features, out_features, tokens)
+        return [(where, getattr(getattr(self, gemm), side), shapes[role])
+                for where, role in OPERAND_ROLES.items() for gemm, side in [where.split(".")]]
 
     def check_fits(self, in_features: int, out_features: int, tokens: int, what: str) -> None:
         """ValueError when a block is bigger than the operand it would cut."""
