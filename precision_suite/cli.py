@@ -199,6 +199,9 @@ def _add_execution(parser: argparse.ArgumentParser) -> None:
 
 def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
                   charts_default: str = "failing") -> None:
+    # from findings (numpy only), not reports: parsing arguments imports no matplotlib
+    from precision_suite.findings import CHART_CHOICES
+
     if baselines:
         parser.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
                             help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
@@ -207,7 +210,7 @@ def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
                              f"(default: ./{DEFAULT_RULES_FILE}, skipped if absent)")
     parser.add_argument("--report-dir", metavar="DIR",
                         help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
-    parser.add_argument("--charts", choices=("failing", "all", "none"), default=charts_default,
+    parser.add_argument("--charts", choices=CHART_CHOICES, default=charts_default,
                         help="draw charts for failing/drifting cases, all, or none (the verdicts, summaries and "
                              f"tables only: seconds faster per chart) (default: {charts_default})")
 

@@ -248,8 +248,11 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
     groups = []
     pool_keys: dict[tuple, int] = {}
     pool = np.zeros(n_groups, dtype=np.int64)
+    # each coordinate read once: indexing the DataArray anew for every group of every series took
+    # most of the time of judging a case
+    coords = [(d, cur[d].values) for d in group_dims]
     for g, index in enumerate(np.ndindex(*sizes) if sizes else [()]):
-        where = {d: to_python(cur[d].values[i]) for d, i in zip(group_dims, index)}
+        where = {d: to_python(values[i]) for (d, values), i in zip(coords, index)}
         groups.append(where)
         key = tuple((d, v) for d, v in where.items() if d != "layer")
         pool[g] = pool_keys.setdefault(key, len(pool_keys))

@@ -3,9 +3,10 @@
 `run_tasks(tasks, workers, scheduler=...)` trains each `Task` (a RunSpec plus environment variables
 such as PRECISION_SUITE_COMPILE=0) serially in this process (workers=1), in a pool of spawned
 worker processes, or, given the address of a Dask scheduler (`tcp://HOST:PORT`, the optional
-`dask` extra), as one Dask task each on that cluster's workers. Results come back in task order
-and are identical to a serial run on the same machine: every run seeds its own RNG and pins its
-thread count, wherever it executes.
+`dask` extra), as one Dask task each on that cluster's workers. The longest runs start first
+(`longest_first`), so that no long run is left to train alone at the end. Results come back in
+task order and are identical to a serial run on the same machine: every run seeds its own RNG
+and pins its thread count, wherever it executes.
 
 This module imports neither torch nor Dask at import time, so the command line can check a
 scheduler address while it parses its arguments.
@@ -121,9 +122,17 @@ def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None,
         return results
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
-        futures = {pool.submit(run_task, task): index for index, task in enumerate(tasks)}
+        futures = {pool.submit(run_task, tasks[index]): index for index in longest_first(tasks)}
         return _gather(tasks, futures, concurrent.futures.as_completed(futures), done, started,
                        lost=(BrokenProcessPool,))
+
+
+def longest_first(tasks: Sequence[Task]) -> list[int]:
+    """The indexes of `tasks` in the order to start them: the most work first (RunSpec.relative_work),
+    ties in task order. Workers take queued tasks in submission order, so a long run queued last
+    would train alone at the end while the other workers idle; results still come back in task order."""
+    work = [task.spec.relative_work() for task in tasks]
+    return sorted(range(len(tasks)), key=lambda index: -work[index])
 
 
 def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterable[Any],
@@ -176,8 +185,8 @@ def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started
         # pure=False: two equal tasks are two runs. The scheduler gives a lost worker's tasks to
         # other workers, up to distributed.scheduler.allowed-failures times, then KilledWorker;
         # a lost scheduler cancels every future.
-        futures = {client.submit(run_task_exclusively, _with_local_settings(task), pure=False): index
-                   for index, task in enumerate(tasks)}
+        futures = {client.submit(run_task_exclusively, _with_local_settings(tasks[index]), pure=False): index
+                   for index in longest_first(tasks)}
         finished = distributed.as_completed(futures, loop=client.loop)  # not the default client's
         return _gather(tasks, futures, finished, done, started,
                        lost=(distributed.KilledWorker, distributed.CancelledError))

@@ -17,6 +17,9 @@ import numpy as np
 FINDING_KINDS = ("regression", "drift", "threshold", "error")
 COORD_KEYS = ("module", "layer", "tensor", "layout")
 TIME_DIMS = ("step", "train_step")
+# Which cases a report draws charts of: failing, drifting and erroring ones, every one, or none.
+# Here (numpy only) so that the command line lists them without importing matplotlib.
+CHART_CHOICES = ("failing", "all", "none")
 
 
 # --------------------------------------------------------------------------- verdict types

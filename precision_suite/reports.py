@@ -33,12 +33,11 @@ from precision_suite import __version__, charts as _charts
 from precision_suite.calibration import statement_lines
 from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
-from precision_suite.findings import severity
+from precision_suite.findings import CHART_CHOICES, severity
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
                 "pass": "✅ pass"}
-CHART_CHOICES = ("failing", "all", "none")
 SUMMARY_SCHEMA_VERSION = 1
 MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
 MAX_MARKDOWN_BYTES = 1024 * 1024  # GitHub's job-summary limit: summary.md must fit
