@@ -98,7 +98,9 @@ class Attention(nn.Module):
         self.qkv = QuantLinear(width, 3 * width)
         self.proj = QuantLinear(width, width)
         self.phi = get_attention(activation)
-        mask = torch.ones(tokens, tokens, dtype=torch.bool).tril() if causal else None
+        # made on the CPU, like the rest of a new model, even inside torch.device("meta")
+        # (block_linears): tril on the meta device imports torch._refs, 2-4 s in a fresh process
+        mask = torch.ones(tokens, tokens, dtype=torch.bool, device="cpu").tril() if causal else None
         self.register_buffer("causal_mask", mask, persistent=False)
         # called with A (B, heads, N, N) on sampled steps only; None otherwise
         self.attention_tap: Callable[[Tensor], None] | None = None
