@@ -3,10 +3,10 @@
 `run_tasks(tasks, workers, scheduler=...)` trains each `Task` (a RunSpec plus environment variables
 such as PRECISION_SUITE_COMPILE=0) serially in this process (workers=1), in a pool of spawned
 worker processes, or, given the address of a Dask scheduler (`tcp://HOST:PORT`, the optional
-`dask` extra), as one Dask task each on that cluster's workers. The longest runs start first
-(`longest_first`), so that no long run is left to train alone at the end. Results come back in
-task order and are identical to a serial run on the same machine: every run seeds its own RNG
-and pins its thread count, wherever it executes.
+`dask` extra), as one Dask task each on that cluster's workers. In a pool or on Dask the runs
+estimated longest start first (`longest_first`). Results come back in task order and are
+identical to a serial run on the same machine: every run seeds its own RNG and pins its thread
+count, wherever it executes.
 
 This module imports neither torch nor Dask at import time, so the command line can check a
 scheduler address while it parses its arguments.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import multiprocessing
 import os
 import re
@@ -128,11 +129,18 @@ def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None,
 
 
 def longest_first(tasks: Sequence[Task]) -> list[int]:
-    """The indexes of `tasks` in the order to start them: the most work first (RunSpec.relative_work),
-    ties in task order. Workers take queued tasks in submission order, so a long run queued last
-    would train alone at the end while the other workers idle; results still come back in task order."""
-    work = [task.spec.relative_work() for task in tasks]
-    return sorted(range(len(tasks)), key=lambda index: -work[index])
+    """The indexes of `tasks` in the order to start them: estimated longest first
+    (`RunSpec.relative_work`), ties in task order. A long run started last would train alone at
+    the end while the other workers idle. A spec too broken to estimate goes first, so that its
+    run fails at once with the validation's own message."""
+    def work(task: Task) -> float:
+        try:
+            return task.spec.relative_work()
+        except (ValueError, TypeError):
+            return math.inf
+
+    estimates = [work(task) for task in tasks]
+    return sorted(range(len(tasks)), key=lambda index: -estimates[index])
 
 
 def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterable[Any],
@@ -185,8 +193,11 @@ def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started
         # pure=False: two equal tasks are two runs. The scheduler gives a lost worker's tasks to
         # other workers, up to distributed.scheduler.allowed-failures times, then KilledWorker;
         # a lost scheduler cancels every future.
-        futures = {client.submit(run_task_exclusively, _with_local_settings(tasks[index]), pure=False): index
-                   for index in longest_first(tasks)}
+        # the scheduler runs higher priorities first (and, among equal ones, the earlier submitted)
+        order = longest_first(tasks)
+        futures = {client.submit(run_task_exclusively, _with_local_settings(tasks[index]), pure=False,
+                                 priority=len(order) - rank): index
+                   for rank, index in enumerate(order)}
         finished = distributed.as_completed(futures, loop=client.loop)  # not the default client's
         return _gather(tasks, futures, finished, done, started,
                        lost=(distributed.KilledWorker, distributed.CancelledError))

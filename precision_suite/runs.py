@@ -108,16 +108,18 @@ class RunSpec:
         return sorted({*range(0, self.steps, self.sample_every), self.steps - 1})
 
     def relative_work(self) -> float:
-        """How long the run trains, roughly, to start the longest runs first (execution.run_tasks):
-        the multiply-adds of its block GEMMs over all steps, once more for each format the recipe
-        trains in or the probes measure. Only the order of two specs' values means anything; a
-        user's model, whose size the spec does not say, is +inf (started first)."""
+        """A rough guess of how long the run trains, to start the longest runs first
+        (execution.longest_first): the multiply-adds of its block GEMMs on every step, once more
+        on every step when the recipe quantizes them, once more on every sampled step for each
+        format the probes measure. Only the order of two specs' values means anything; a user's
+        model, whose size the spec does not say, is +inf (started first)."""
         if self.user_model:
             return math.inf
         config = self.model_config()
         gemms = sum(inputs * outputs for _, inputs, outputs in block_linears(config)) * config.depth
-        formats = (self.recipe != "fp32") + len(self.measured_schemes())
-        return float(self.steps * self.tokens_per_step() * gemms * (1 + formats))
+        formats = 1 + len(self.extra_formats)  # DEFAULT_MEASUREMENT and the extra ones
+        passes = float(self.steps) * (1 + (self.recipe != "fp32")) + len(self.sampled_steps()) * formats
+        return passes * float(self.tokens_per_step()) * gemms
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self) -> "RunSpec":

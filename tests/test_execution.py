@@ -16,14 +16,14 @@ from precision_suite.runs import RunSpec
 def test_the_default_matrix_starts_its_quantized_gpt_cases_first_and_keeps_ties_in_order():
     specs = matrix.default_matrix()
     order = [runs.case_id(specs[index]) for index in execution.longest_first([Task(s) for s in specs])]
-    # the GPT is deeper than the ViT, and each format it trains in or measures adds a pass: the MX
-    # and NVFP4 cases measure two formats more than the FP8 one (equal work: in task order)
-    gpt = {s.recipe: runs.case_id(s) for s in specs if s.model == "gpt"}
-    assert order[:3] == [gpt["mxfp8"], gpt["nvfp4"], gpt["fp8-block"]]
-    assert order[3:] == [runs.case_id(s) for s in specs if s.model == "vit"]
+    # the GPT cases (18 blocks, quantized training) train 2.5-4x as long as the ViT ones (12 blocks,
+    # float32): README, suite times; the ViT cases have equal work and keep their task order
+    gpt = {runs.case_id(s) for s in specs if s.model == "gpt"}
+    assert set(order[:len(gpt)]) == gpt
+    assert order[len(gpt):] == [runs.case_id(s) for s in specs if s.model == "vit"]
 
 
-def test_more_steps_tokens_or_formats_mean_more_work_and_a_users_model_starts_first():
+def test_more_steps_tokens_or_formats_mean_more_work_and_unknown_work_starts_first():
     base = RunSpec(model="vit", depth=2, steps=4, batch_size=8)
     more = [dataclasses.replace(base, steps=8), dataclasses.replace(base, batch_size=16),
             dataclasses.replace(base, depth=3), dataclasses.replace(base, width=256, heads=4),
@@ -31,6 +31,9 @@ def test_more_steps_tokens_or_formats_mean_more_work_and_a_users_model_starts_fi
     assert all(spec.relative_work() > base.relative_work() for spec in more)
     users = RunSpec(model="user_code:build", batches="user_code:batches")  # its size: unknown
     assert execution.longest_first([Task(base), Task(users)]) == [1, 0]
+    # too broken to estimate: first, so that its run fails at once with the validation's message
+    broken = dataclasses.replace(base, steps="5")
+    assert execution.longest_first([Task(base), Task(broken)]) == [1, 0]
 
 
 @pytest.mark.slow
