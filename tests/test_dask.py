@@ -93,12 +93,21 @@ def _start_scheduler(folder: Path, env: dict) -> tuple[subprocess.Popen, str]:
                       "--port", "0", "--no-dashboard", "--scheduler-file", str(address_file),
                       *OUTLIVE_NOTHING["scheduler"]], folder / "scheduler.log", env)
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not address_file.exists():
+    while (address := _written_address(address_file)) is None:
         if process.poll() is not None or time.monotonic() > deadline:
             _stop(process)
             pytest.fail(f"no Dask scheduler started:\n{(folder / 'scheduler.log').read_text()}")
         time.sleep(0.1)
-    return process, json.loads(address_file.read_text())["address"]
+    return process, address
+
+
+def _written_address(address_file: Path) -> str | None:
+    """The address in the scheduler's file once it is whole: the scheduler creates the file before
+    it writes it, so a reader can find it empty or half written (seen once in CI)."""
+    try:
+        return json.loads(address_file.read_text())["address"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
 
 
 def _start_workers(client: distributed.Client, address: str, folder: Path, env: dict,
