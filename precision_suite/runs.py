@@ -117,7 +117,7 @@ class RunSpec:
             return math.inf
         config = self.model_config()
         gemms = sum(inputs * outputs for _, inputs, outputs in block_linears(config)) * config.depth
-        formats = 1 + len(self.extra_formats)  # DEFAULT_MEASUREMENT and the extra ones
+        formats = len(self.measured_schemes())
         passes = float(self.steps) * (1 + (self.recipe != "fp32")) + len(self.sampled_steps()) * formats
         return passes * float(self.tokens_per_step()) * gemms
 
