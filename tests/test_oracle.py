@@ -159,6 +159,24 @@ def test_both_rounding_paths_match_ml_dtypes_on_every_value_and_tie(element, dty
     _assert_bits_equal(ours, probes.astype(dtype).astype(F32))
 
 
+@pytest.mark.parametrize("element, dtype", [(E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2),
+                                            (E2M1, ml_dtypes.float4_e2m1fn),
+                                            (ElementType("e3m2", 3, 2, 3, 28.0), ml_dtypes.float6_e3m2fn)],
+                         ids=lambda v: getattr(v, "name", ""))
+def test_bit_arithmetic_rounds_any_float32_like_ml_dtypes(element, dtype):
+    """Beyond the ties: 2**22 random float32 bit patterns within +-max, and every float32 of the
+    two binades around the element's smallest normal, where the quantum stops shrinking (2**24
+    values, both signs)."""
+    rng = np.random.default_rng(0)
+    random = rng.integers(0, 2**32, size=2**22, dtype=np.uint64).astype(np.uint32).view(F32)
+    random = random[np.isfinite(random) & (np.abs(random) <= element.max)]
+    boundary = np.arange(*np.array([2.0 ** (element.emin - 1), 2.0 ** (element.emin + 1)], F32).view(np.uint32),
+                         dtype=np.uint32).view(F32)
+    probes = np.concatenate([random, boundary, -boundary, np.array([0.0, -0.0], F32)])
+    ours = round_by_bits(torch.from_numpy(probes), element).numpy()
+    _assert_bits_equal(ours, probes.astype(dtype).astype(F32))
+
+
 def test_a_new_format_is_a_declaration():
     """An FP6 E3M2 format (OCP MX's element type) declared in two lines quantizes bit for bit like
     ml_dtypes' float6_e3m2fn with the amax block scale: no new code path."""
