@@ -7,14 +7,12 @@ import math
 import shutil
 from pathlib import Path
 
-import h5netcdf  # noqa: F401  (see below: h5py cannot be imported twice in one process)
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
 
-from precision_suite import checks, instrument, judge, recorder, runs, views  # noqa: E402,F401  (kept
-# imported: pytester's in-process runs drop modules first imported inside them)
+from precision_suite import instrument  # noqa: E402
 from precision_suite.data import text_batch  # noqa: E402
 
 import hf_models  # noqa: E402  (tests/ is on sys.path)
@@ -58,6 +56,6 @@ def test_llama_is_checked_by_the_plugin_against_its_baseline(pytester: pytest.Py
     shutil.copy(Path(__file__).with_name("hf_models.py"), pytester.path / "hf_models.py")
     pytester.makepyfile(test_inner=CHECK)
     pytester.syspathinsert()
-    pytester.runpytest("--precision-regen", "-p", "no:xdist").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("--precision-regen", "-p", "no:xdist").assert_outcomes(passed=1)
     assert len(list((pytester.path / "baselines").glob("hf_models-build_llama-softmax-fp8-hybrid-*.nc"))) == 1
-    pytester.runpytest("-p", "no:xdist").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("-p", "no:xdist").assert_outcomes(passed=1)

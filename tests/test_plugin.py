@@ -1,6 +1,7 @@
 """The pytest plugin, driven through pytester: options, markers, fixtures, regen, failures, charts.
 
-Inner test sessions check RunSpecs; their conftest (INNER_CONFTEST) replaces `runs.run` by
+Inner test sessions run in subprocesses (`runpytest_subprocess`), so an inner session can never
+change `sys.modules` for the tests after it; they check RunSpecs; their conftest (INNER_CONFTEST) replaces `runs.run` by
 synthetic datasets (tests/synthetic_data.py, one per seed), so no training happens here. The
 outer test plants a regression or a drift through the environment variable PLANT_ENV.
 
@@ -29,21 +30,17 @@ Laws checked here:
 from __future__ import annotations
 
 import json
+import sys
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-# pytester drops the modules an inner run imported; h5py cannot load twice and matplotlib's classes
-# must stay the same objects, so both are loaded once here, before any inner run
-import h5py  # noqa: F401
 import pytest
-import xarray as xr
 
-import precision_suite.charts  # noqa: F401
-from precision_suite import calibration, files, runs
-from precision_suite.baselines import baseline_path, save_baseline
+from precision_suite import calibration, files
+from precision_suite.baselines import baseline_path
 from precision_suite.files import safe_filename
 from precision_suite.runs import RunSpec, case_id
-from synthetic_data import make_run_dataset
 
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -109,6 +106,19 @@ def make_check(pytester: pytest.Pytester, args: str = "", spec: str = "") -> Non
     pytester.makepyfile(test_inner_case=CHECK_FILE.format(args=args, spec=spec))
 
 
+def in_fresh_python(pytester: pytest.Pytester, code: str) -> str:
+    """Run `code` in a fresh interpreter (tests/ on its path) and return what it printed.
+
+    The test's own netCDF reads and writes go here: xarray's I/O first imports dask and scipy,
+    and pytester's fixture drops every module first imported during its test when it tears down,
+    which breaks C extensions and lazily imported packages (transformers) for the tests after it.
+    """
+    result = pytester.run(sys.executable, "-c",
+                          f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r})\n" + textwrap.dedent(code))
+    assert result.ret == 0, result.stderr.str()
+    return result.stdout.str()
+
+
 def junit_properties(path) -> dict[str, list[str]]:
     props: dict[str, list[str]] = {}
     for prop in ET.parse(path).getroot().iter("property"):
@@ -133,35 +143,35 @@ def is_png(path: Path | str) -> bool:
 
 
 def test_options_ini_keys_and_markers_are_registered(pytester):
-    help_text = pytester.runpytest("--help").stdout.str()
+    help_text = pytester.runpytest_subprocess("--help").stdout.str()
     for option in ("--precision-regen", "--precision-baseline-dir", "--precision-report-dir",
                    "--precision-device", "--precision-seed", "precision_baseline_dir",
                    "precision_report_dir", "precision_device"):
         assert option in help_text
-    markers = pytester.runpytest("--markers").stdout.str()
+    markers = pytester.runpytest_subprocess("--markers").stdout.str()
     assert "@pytest.mark.precision:" in markers and "@pytest.mark.slow:" in markers
 
 
 def test_a_project_slow_marker_is_kept(pytester):
     pytester.makeini("[pytest]\nmarkers =\n    slow: the project's own words\n")
-    markers = pytester.runpytest("--markers").stdout.str()
+    markers = pytester.runpytest_subprocess("--markers").stdout.str()
     assert "the project's own words" in markers and markers.count("@pytest.mark.slow:") == 1
 
 
 def test_bad_device_is_a_usage_error(pytester):
-    result = pytester.runpytest("--precision-device", "gpu0")
+    result = pytester.runpytest_subprocess("--precision-device", "gpu0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--precision-device*'gpu0' is not a device*"])
 
 
 def test_report_header_names_the_loaded_config_or_says_none(pytester):
     pyproject = pytester.path / "pyproject.toml"
-    result = pytester.runpytest()
+    result = pytester.runpytest_subprocess()
     result.stdout.fnmatch_lines([f"precision-suite: no {pyproject} *no project rules or tolerance overrides apply"])
 
     pytester.makepyprojecttoml('[tool.precision_suite]\nrules = ["underflow <= 1e-3", "overflow <= 0"]\n'
                                "[tool.precision_suite.tolerances]\nunderflow = 0.1\n")
-    result = pytester.runpytest()
+    result = pytester.runpytest_subprocess()
     result.stdout.fnmatch_lines([f"precision-suite: 2 rule(s), 1 tolerance override(s) from {pyproject}*",
                                  "precision-suite: *designed false-alarm rate <= 0.001 per case.",
                                  "precision-suite: Not measured on these baselines yet*calibrate*"])
@@ -170,11 +180,11 @@ def test_report_header_names_the_loaded_config_or_says_none(pytester):
     measured = {"created": "2026-12-03", "fingerprint": {"cpu_capability": "AVX512"}, "runs": 90,
                 "runs_with_alarms": 0, "perturbations": ["threads=2", "seed 100"]}
     files.write_json(measured, calibration.measured_path(pytester.path / "baselines"))
-    pytester.runpytest().stdout.fnmatch_lines([
+    pytester.runpytest_subprocess().stdout.fnmatch_lines([
         "precision-suite: Measured by `precision-suite calibrate` on 2026-12-03 (AVX512, ?): 0 of 90 "
         "perturbed runs with a false alarm (threads=2, seed 100)."])
     calibration.measured_path(pytester.path / "baselines").write_text("{not json")
-    pytester.runpytest().stdout.fnmatch_lines(["precision-suite: *calibration.json is unreadable*"
+    pytester.runpytest_subprocess().stdout.fnmatch_lines(["precision-suite: *calibration.json is unreadable*"
                                                "rewrite it with `precision-suite calibrate`"])
 
 
@@ -183,35 +193,38 @@ def test_report_header_names_the_loaded_config_or_says_none(pytester):
 
 def test_missing_baseline_regen_then_pass(inner):
     make_check(inner)
-    first = inner.runpytest()
+    first = inner.runpytest_subprocess()
     first.assert_outcomes(failed=1)
     first.stdout.fnmatch_lines([f"*no baseline*create it with: pytest '{NODE}' --precision-regen"
                                 f"*precision-suite baseline update --case '{CASE}'*"])
 
-    regen = inner.runpytest("--precision-regen")
+    regen = inner.runpytest_subprocess("--precision-regen")
     regen.assert_outcomes(passed=1)
     path = baseline_path(inner.path / "baselines", CASE)
     assert path.is_file()
     regen.stdout.fnmatch_lines(["*precision-suite*", f"baseline written  {path}"])
-    ensemble = xr.load_dataset(path, engine="h5netcdf")
-    assert [int(s) for s in ensemble["seed"].values] == [0, 1, 2, 3]
-    assert "first_step_tolerance" in ensemble.attrs
+    seeds, has_tolerance = json.loads(in_fresh_python(inner, f"""
+        import json, xarray as xr
+        ensemble = xr.load_dataset({str(path)!r}, engine="h5netcdf")
+        print(json.dumps([[int(s) for s in ensemble["seed"].values], "first_step_tolerance" in ensemble.attrs]))
+    """))
+    assert seeds == [0, 1, 2, 3] and has_tolerance
 
-    inner.runpytest().assert_outcomes(passed=1)
+    inner.runpytest_subprocess().assert_outcomes(passed=1)
     # regenerating unchanged numbers leaves the file alone (no churn in git)
     written = path.read_bytes()
-    assert "baseline written" not in inner.runpytest("--precision-regen").stdout.str()
+    assert "baseline written" not in inner.runpytest_subprocess("--precision-regen").stdout.str()
     assert path.read_bytes() == written
 
 
 def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, monkeypatch):
     make_check(inner)
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     path = baseline_path(inner.path / "baselines", CASE)
     golden = path.read_bytes()
 
     monkeypatch.setenv(PLANT_ENV, "regression")
-    result = inner.runpytest("--junitxml=junit.xml")
+    result = inner.runpytest_subprocess("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"*precision check of {CASE}: FAIL*",
                                  f"*[[]regression[]] {CASE}: underflow regressed at layer 2, "
@@ -227,9 +240,9 @@ def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, mon
     assert path.read_bytes() == golden  # a failed comparison never rewrites the baseline
 
     # regeneration is explicit: asked for, it accepts the new numbers
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     assert path.read_bytes() != golden
-    inner.runpytest().assert_outcomes(passed=1)
+    inner.runpytest_subprocess().assert_outcomes(passed=1)
 
 
 def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
@@ -242,9 +255,9 @@ def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
         def test_two(precision_check):
             precision_check(RunSpec(model="vit"))
     """)
-    inner.runpytest("--precision-regen").assert_outcomes(passed=2)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=2)
     monkeypatch.setenv(PLANT_ENV, "regression")
-    result = inner.runpytest("--junitxml=j.xml")
+    result = inner.runpytest_subprocess("--junitxml=j.xml")
     result.assert_outcomes(failed=2)
     charts = junit_properties(inner.path / "j.xml")["precision_chart"]
     expected = [str(chart_of(inner, f"test_inner_two.py::{name}")) for name in ("test_one", "test_two")]
@@ -254,9 +267,9 @@ def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
 
 def test_drift_passes_but_is_reported(inner, monkeypatch):
     make_check(inner)
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     monkeypatch.setenv(PLANT_ENV, "drift")
-    result = inner.runpytest("--junitxml=junit.xml")
+    result = inner.runpytest_subprocess("--junitxml=junit.xml")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*precision-suite*", f"DRIFT*{CASE}*", "chart  *.png"])
     props = junit_properties(inner.path / "junit.xml")
@@ -265,9 +278,9 @@ def test_drift_passes_but_is_reported(inner, monkeypatch):
 
 def test_spec_change_is_another_case_with_a_hint_that_works(inner):
     make_check(inner, spec=", steps=20")
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     make_check(inner, spec=", steps=30, threads=2")  # threads only changes rounding: same case
-    result = inner.runpytest()
+    result = inner.runpytest_subprocess()
     result.assert_outcomes(failed=1)
     case = case_id(RunSpec(model="vit", steps=30))
     result.stdout.fnmatch_lines([f"*[[]error[]]*no baseline*{case}.nc; create it with: pytest '{NODE}' --precision-regen"])
@@ -277,10 +290,15 @@ def test_spec_change_is_another_case_with_a_hint_that_works(inner):
 
 def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
     make_check(inner)
-    old = make_run_dataset(depth=3, steps=20, sample_every=10)
-    old.attrs.update(case=CASE, spec=RunSpec(model="vit").to_json())
-    save_baseline(old, baseline_path(inner.path / "baselines", CASE))
-    result = inner.runpytest()
+    in_fresh_python(inner, f"""
+        from precision_suite.baselines import baseline_path, save_baseline
+        from precision_suite.runs import RunSpec
+        from synthetic_data import make_run_dataset
+        old = make_run_dataset(depth=3, steps=20, sample_every=10)
+        old.attrs.update(case={CASE!r}, spec=RunSpec(model="vit").to_json())
+        save_baseline(old, baseline_path("baselines", {CASE!r}))
+    """)
+    result = inner.runpytest_subprocess()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"*[[]error[]]*single run, not a seed ensemble*recreate it with: "
                                  f"pytest '{NODE}' --precision-regen*"])
@@ -288,15 +306,15 @@ def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
 
 def test_precision_seed_runs_that_seed_against_the_ensemble(inner, monkeypatch):
     make_check(inner)
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     assert sorted(set(trained_seeds(inner))) == [0, 1, 2, 3]
     (inner.path / "trained.jsonl").unlink()
 
-    inner.runpytest("--precision-seed", "7").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-seed", "7").assert_outcomes(passed=1)
     assert trained_seeds(inner) == [7]
     # a seed outside the ensemble is still judged: the planted regression fails
     monkeypatch.setenv(PLANT_ENV, "regression")
-    result = inner.runpytest("--precision-seed", "7")
+    result = inner.runpytest_subprocess("--precision-seed", "7")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]regression[]]*underflow regressed at layer 2*"])
 
@@ -304,15 +322,15 @@ def test_precision_seed_runs_that_seed_against_the_ensemble(inner, monkeypatch):
 def test_dirs_from_ini_and_command_line(inner, monkeypatch):
     inner.makeini("[pytest]\nprecision_baseline_dir = golden\nprecision_report_dir = out\n")
     make_check(inner)
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     assert baseline_path(inner.path / "golden", CASE).is_file()
-    inner.runpytest("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(passed=1)
     assert baseline_path(inner.path / "other", CASE).is_file()
     monkeypatch.setenv(PLANT_ENV, "regression")
-    inner.runpytest("--junitxml=j.xml").assert_outcomes(failed=1)
+    inner.runpytest_subprocess("--junitxml=j.xml").assert_outcomes(failed=1)
     (chart,) = junit_properties(inner.path / "j.xml")["precision_chart"]
     assert chart == str(chart_of(inner, NODE, "out"))
-    inner.runpytest("--junitxml=k.xml", "--precision-report-dir", "elsewhere").assert_outcomes(failed=1)
+    inner.runpytest_subprocess("--junitxml=k.xml", "--precision-report-dir", "elsewhere").assert_outcomes(failed=1)
     (chart,) = junit_properties(inner.path / "k.xml")["precision_chart"]
     assert chart == str(chart_of(inner, NODE, "elsewhere"))
 
@@ -323,7 +341,7 @@ def test_dirs_from_ini_and_command_line(inner, monkeypatch):
 def test_project_rules_and_call_rules_are_checked(inner):
     inner.makepyprojecttoml('[tool.precision_suite]\nrules = ["attention_norm <= sqrt(N) @ attention=softmax"]\n')
     make_check(inner)
-    result = inner.runpytest("--precision-regen")  # the synthetic norms grow far past sqrt(N)
+    result = inner.runpytest_subprocess("--precision-regen")  # the synthetic norms grow far past sqrt(N)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]error[]]*baseline*not written: a run that breaks its rules is not golden",
                                  "*[[]threshold[]]*rule 'attention_norm <= sqrt(N) @ attention=softmax' violated at layer 0*"])
@@ -331,50 +349,48 @@ def test_project_rules_and_call_rules_are_checked(inner):
 
     inner.makepyprojecttoml("[tool.precision_suite]\nrules = []\n")
     make_check(inner, args=', rules=["growth(attention_norm) <= 2 @ layer=2"]')
-    result = inner.runpytest("--precision-regen")
+    result = inner.runpytest_subprocess("--precision-regen")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rule 'growth(attention_norm) <= 2 @ layer=2' violated at layer 2, step 19*"])
 
 
 def test_a_known_violation_passes_as_known_but_never_excuses_a_regression(inner, monkeypatch):
     make_check(inner, args=', rules=["attention_norm <= 1"], known_violation="norms start at 2, issue #7"')
-    inner.runpytest("--precision-regen").assert_outcomes(passed=1)  # known: the baseline is written
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)  # known: the baseline is written
     assert baseline_path(inner.path / "baselines", CASE).is_file()
-    result = inner.runpytest("--junitxml=j.xml")
+    result = inner.runpytest_subprocess("--junitxml=j.xml")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*precision-suite*", f"KNOWN*{CASE}*({NODE})"])
     assert junit_properties(inner.path / "j.xml")["precision_status"] == ["known"]
 
     monkeypatch.setenv(PLANT_ENV, "regression")
-    inner.runpytest().assert_outcomes(failed=1)
+    inner.runpytest_subprocess().assert_outcomes(failed=1)
 
 
 def test_bad_rules_tolerances_and_config_fail_readably(inner):
     make_check(inner, args=', rules=["underflow < 1"]')
-    inner.runpytest().stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
+    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
     make_check(inner, args=', tolerances={"no_such_metric": 1.0}')
-    inner.runpytest().stdout.fnmatch_lines(["*precision check configuration: metric 'no_such_metric' "
+    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: metric 'no_such_metric' "
                                             "has no default tolerance*"])
     inner.makepyprojecttoml("[tool.precision_suite]\nrulez = []\n")
     make_check(inner)
-    result = inner.runpytest()
+    result = inner.runpytest_subprocess()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pyproject.toml: [[]tool.precision_suite[]] has unknown key(s) rulez*"])
 
 
-def test_a_dataset_under_regen_is_a_clear_error(pytester):
-    ds = make_run_dataset(depth=3, steps=20, sample_every=10)
-    ds.to_netcdf(pytester.path / "current.nc", engine="h5netcdf")
-    pytester.makepyfile(test_inner_case="""
-        import xarray as xr
+def test_a_dataset_under_regen_is_a_clear_error(inner):
+    inner.makepyfile(test_inner_case="""
+        from synthetic_data import make_run_dataset
 
         def test_case(precision_check):
-            precision_check(xr.load_dataset("current.nc", engine="h5netcdf"))
+            precision_check(make_run_dataset(depth=3, steps=20, sample_every=10))
     """)
-    result = pytester.runpytest("--precision-regen")
+    result = inner.runpytest_subprocess("--precision-regen")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]error[]]*--precision-regen needs a RunSpec*not a dataset*"])
-    assert not baseline_path(pytester.path / "baselines", ds.attrs["case"]).exists()
+    assert not (inner.path / "baselines").exists() or not any((inner.path / "baselines").iterdir())
 
 
 # --------------------------------------------------------------------------- the run fixture
@@ -384,43 +400,46 @@ def vit(attention: str = "softmax", device: str = "auto") -> RunSpec:
     return RunSpec(model="vit", attention=attention, device=device)
 
 
-def test_precision_run_runs_each_spec_once_per_session(pytester, monkeypatch):
-    calls = []
+VIT = """
+from precision_suite.runs import RunSpec
 
-    def fake_run(spec):
-        calls.append(spec)
-        ds = make_run_dataset(attention=spec.attention, depth=2, steps=10)
-        ds.attrs["case"] = case_id(spec)
-        return ds
-
-    monkeypatch.setattr(runs, "run", fake_run)  # the inner session runs in this process
-    pytester.makepyfile(test_inner_runs=f"""
-        from {__name__} import vit
-
-        def test_a(precision_run):
-            assert precision_run(vit()).attrs["case"] == "vit-softmax-fp32"
-
-        def test_b(precision_run):
-            assert precision_run(vit()) is precision_run(vit())
-            assert precision_run(dict(model="vit", attention="softmax")) is precision_run(vit())
-            assert precision_run(vit("x/1")).attrs["case"] == "vit-x-1-fp32"
-    """)
-    pytester.runpytest("--precision-device", "cpu").assert_outcomes(passed=2)
-    assert calls == [vit("softmax", "cpu"), vit("x/1", "cpu")]
+def vit(attention="softmax"):
+    return RunSpec(model="vit", attention=attention)
+"""
 
 
-def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
-    def fake_run(spec):
-        raise ValueError(f"unknown attention {spec.attention!r}; known: softmax, x/1")
+def test_precision_run_runs_each_spec_once_per_session(inner):
+    inner.makepyfile(test_inner_runs=VIT + """
+def test_a(precision_run):
+    assert precision_run(vit()).attrs["case"] == "vit-softmax-fp32"
 
-    monkeypatch.setattr(runs, "run", fake_run)
-    pytester.makepyfile(test_inner_bad=f"""
-        from {__name__} import vit
+def test_b(precision_run):
+    assert precision_run(vit()) is precision_run(vit())
+    assert precision_run(dict(model="vit", attention="softmax")) is precision_run(vit())
+    assert precision_run(vit("x/1")).attrs["case"] == "vit-x-1-fp32"
+""")
+    inner.runpytest_subprocess("--precision-device", "cpu").assert_outcomes(passed=2)
+    trained = [json.loads(line) for line in (inner.path / "trained.jsonl").read_text().splitlines()]
+    assert trained == [json.loads(vit(attention, "cpu").to_json()) for attention in ("softmax", "x/1")]
 
-        def test_bad(precision_check):
-            precision_check(vit("nope"))
-    """)
-    result = pytester.runpytest("--junitxml=junit.xml")
+
+def test_a_bad_spec_fails_with_the_reason_only(pytester):
+    pytester.makeconftest("""
+import pytest
+import precision_suite.runs as runs
+
+def refuse(spec, progress=None):
+    raise ValueError(f"unknown attention {spec.attention!r}; known: softmax, x/1")
+
+@pytest.fixture(autouse=True)
+def bad_training(monkeypatch):
+    monkeypatch.setattr(runs, "run", refuse)
+""")
+    pytester.makepyfile(test_inner_bad=VIT + """
+def test_bad(precision_check):
+    precision_check(vit("nope"))
+""")
+    result = pytester.runpytest_subprocess("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["precision run of RunSpec(model='vit', attention='nope'*): "
                                  "unknown attention 'nope'; known: softmax, x/1"])
@@ -440,9 +459,9 @@ def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
         def test_case(precision_check, attention):
             precision_check(RunSpec(model="vit", attention=attention))
     """)
-    inner.runpytest("-n", "2", "--precision-regen").assert_outcomes(passed=2)
+    inner.runpytest_subprocess("-n", "2", "--precision-regen").assert_outcomes(passed=2)
     monkeypatch.setenv(PLANT_ENV, "regression")  # the workers inherit the environment
-    result = inner.runpytest("-n", "2", "--junitxml=j.xml")
+    result = inner.runpytest_subprocess("-n", "2", "--junitxml=j.xml")
     result.assert_outcomes(failed=2)
     charts = junit_properties(inner.path / "j.xml")["precision_chart"]
     assert len(set(charts)) == 2 and all(is_png(chart) for chart in charts)
