@@ -13,9 +13,11 @@ import torch
 
 pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
 
-from precision_suite import checks, instrument, judge, recorder, runs, views  # noqa: E402,F401  (kept
+from precision_suite.verdicts import checks, judge  # noqa: E402,F401  (kept
+from precision_suite import instrument
+from precision_suite.training import recorder, runs, views
 # imported: pytester's in-process runs drop modules first imported inside them)
-from precision_suite.data import text_batch  # noqa: E402
+from precision_suite.training.data import text_batch  # noqa: E402
 
 import hf_models  # noqa: E402  (tests/ is on sys.path)
 
@@ -44,7 +46,7 @@ def test_llama_gemms_and_sdpa_attention_are_recorded_per_module():
 
 CHECK = """
 import pytest
-from precision_suite.runs import RunSpec
+from precision_suite.training.runs import RunSpec
 
 @pytest.mark.precision
 def test_llama(precision_check):

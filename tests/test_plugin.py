@@ -39,10 +39,12 @@ import pytest
 import xarray as xr
 
 import precision_suite.charts  # noqa: F401
-from precision_suite import calibration, files, runs
-from precision_suite.baselines import baseline_path, save_baseline
+from precision_suite.verdicts import calibration
+from precision_suite import files
+from precision_suite.training import runs
+from precision_suite.verdicts.baselines import baseline_path, save_baseline
 from precision_suite.files import safe_filename
-from precision_suite.runs import RunSpec, case_id
+from precision_suite.training.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
 
@@ -63,7 +65,7 @@ import pytest
 sys.path.insert(0, {str(TESTS_DIR)!r})
 from synthetic_data import make_run_dataset
 
-import precision_suite.runs as runs
+import precision_suite.training.runs as runs
 
 PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
 
@@ -90,7 +92,7 @@ def synthetic_training(monkeypatch):
 
 CHECK_FILE = """
 import pytest
-from precision_suite.runs import RunSpec
+from precision_suite.training.runs import RunSpec
 
 @pytest.mark.precision
 def test_case(precision_check):
@@ -234,7 +236,7 @@ def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, mon
 
 def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
     inner.makepyfile(test_inner_two="""
-        from precision_suite.runs import RunSpec
+        from precision_suite.training.runs import RunSpec
 
         def test_one(precision_check):
             precision_check(RunSpec(model="vit"))
@@ -434,7 +436,7 @@ def test_a_bad_spec_fails_with_the_reason_only(pytester, monkeypatch):
 def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
     inner.makepyfile(test_inner_cases="""
         import pytest
-        from precision_suite.runs import RunSpec
+        from precision_suite.training.runs import RunSpec
 
         @pytest.mark.parametrize("attention", ["x/1", "x^3/1"])
         def test_case(precision_check, attention):

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from precision_suite import cli
-from precision_suite.formats import get_format
-from precision_suite.quantization import quantize, stochastic_round
-from precision_suite.recipes import (
+from precision_suite.numerics.formats import get_format
+from precision_suite.numerics.quantization import quantize, stochastic_round
+from precision_suite.training.recipes import (
     NAMED_RECIPES, RECIPES_ENV, Gemm, Operand, QuantLinear, Recipe, get_recipe, recipes_environment,
     recipes_from_toml, set_recipe)
-from precision_suite.runs import RunSpec, run
+from precision_suite.training.runs import RunSpec, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}
 
