@@ -1,4 +1,4 @@
-"""The calibrated comparison against seed ensembles (precision_suite.ensemble): laws it promises.
+"""The calibrated comparison against seed ensembles (precision_suite.verdicts.ensemble): laws it promises.
 
 Synthetic runs (tests/synthetic_data.py) differ between seeds like short training does; each law
 is checked on both sides: the unchanged case passes, the change fails.

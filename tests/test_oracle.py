@@ -1,7 +1,7 @@
 """Bit-exact agreement with an independent oracle: ml_dtypes casts with block scaling in numpy.
 
 The oracle re-derives each scale rule from ../shared/SCIENCE.md and the OCP MX spec in numpy and
-lets ml_dtypes round the elements, so no code is shared with precision_suite.quantization.
+lets ml_dtypes round the elements, so no code is shared with precision_suite.numerics.quantization.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ import h5py  # noqa: F401
 import pytest
 import xarray as xr
 
-import precision_suite.charts  # noqa: F401
+import precision_suite.reports.charts  # noqa: F401
 from precision_suite.verdicts import calibration
 from precision_suite import files
 from precision_suite.training import runs

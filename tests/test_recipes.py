@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from precision_suite import cli
+from precision_suite.jobs.selection import config_specs
 from precision_suite.numerics.formats import get_format
 from precision_suite.numerics.quantization import quantize, stochastic_round
 from precision_suite.training.recipes import (
@@ -147,8 +148,8 @@ def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
     config.write_text('[recipes.mine]\nfprop = { a = "e4m3:tensor", b = "e4m3:tensor" }\n'
                       'dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }\nwgrad = { a = "fp32", b = "fp32" }\n'
                       '[[case]]\nmodel = "gpt"\nrecipe = "mine"\n')
-    (spec,) = cli._config_specs(config)
+    (spec,) = config_specs(config)
     assert spec.training_recipe().wgrad.a.fmt == "fp32"
     config.write_text('[recipe.mine]\n[[case]]\nmodel = "gpt"\n')
     with pytest.raises(cli.UsageError, match="unknown top-level key.*recipe"):
-        cli._config_specs(config)
+        config_specs(config)
