@@ -41,7 +41,7 @@ print(json.dumps(times))
 """
 SMALL_RUN = """
 import json, sys, time
-from precision_suite.runs import RunSpec, run
+from precision_suite.training.runs import RunSpec, run
 spec = RunSpec(model="gpt", depth=2, steps=5, sample_every=1, recipe=sys.argv[1])
 start = time.perf_counter()
 run(spec)

@@ -10,7 +10,7 @@ import importlib
 import os
 from typing import Any
 
-__version__ = "0.1.0"
+from precision_suite.version import __version__
 
 
 def use_project_cache() -> None:
@@ -29,27 +29,27 @@ def use_project_cache() -> None:
 # whose test modules imported torch._inductor first.
 use_project_cache()
 
-# public name -> defining module (one module per concept; see docs/architecture.md)
+# public name -> defining module, by package (one module per concept; see docs/architecture.md)
 _EXPORTS = {
-    "Format": "formats",
-    "FORMATS": "formats",
-    "get_format": "formats",
-    "parse_layout": "layouts",
-    "layout_label": "layouts",
-    "Quantized": "quantization",
-    "quantize": "quantization",
-    "QuantStats": "metrics",
-    "quant_stats": "metrics",
-    "quant_error": "metrics",
-    "register_attention": "attention",
-    "get_attention": "attention",
-    "instrument": "recorder",
-    "register_linear": "recorder",
-    "Recorder": "recorder",
-    "module_view": "views",
-    "RunSpec": "runs",
-    "run": "runs",
-    "case_id": "runs",
+    "Format": "numerics.formats",
+    "FORMATS": "numerics.formats",
+    "get_format": "numerics.formats",
+    "parse_layout": "numerics.layouts",
+    "layout_label": "numerics.layouts",
+    "Quantized": "numerics.quantization",
+    "quantize": "numerics.quantization",
+    "QuantStats": "numerics.metrics",
+    "quant_stats": "numerics.metrics",
+    "quant_error": "numerics.metrics",
+    "register_attention": "training.attention",
+    "get_attention": "training.attention",
+    "instrument": "training.recorder",
+    "register_linear": "training.recorder",
+    "Recorder": "training.recorder",
+    "module_view": "training.views",
+    "RunSpec": "training.runs",
+    "run": "training.runs",
+    "case_id": "training.runs",
 }
 
 __all__ = ["__version__", *_EXPORTS]

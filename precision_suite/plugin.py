@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from precision_suite.calibration import read_measured, statement_lines
+from precision_suite.verdicts.calibration import read_measured, statement_lines
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from precision_suite.checks import CaseVerdict, Finding, ProjectConfig
-    from precision_suite.runs import RunSpec
+    from precision_suite.verdicts.checks import CaseVerdict, Finding, ProjectConfig
+    from precision_suite.training.runs import RunSpec
 
 CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
 CASE_PROPERTY = "precision_case"
@@ -56,7 +56,8 @@ class PrecisionSettings:
     def project(self) -> ProjectConfig:
         """[tool.precision_suite] of the rootdir's pyproject.toml, parsed once per session."""
         if self._project is None:
-            from precision_suite.checks import load_project_config
+            # lazy: rules are read only by sessions with a pyproject.toml, and pull in xarray
+            from precision_suite.verdicts.checks import load_project_config
 
             self._project = load_project_config(self.pyproject)
         return self._project
@@ -160,16 +161,15 @@ class RunCache:
         self._datasets: dict[str, xr.Dataset] = {}
 
     def __call__(self, spec: Any) -> xr.Dataset:
-        from precision_suite.runs import RunSpec, run
+        from precision_suite.training import runs  # lazy: torch loads with the first precision run
 
-        if isinstance(spec, Mapping):  # {"model": "vit", ...}: unknown keys are refused by name
-            spec = RunSpec.from_json(json.dumps(dict(spec)))
-        if not isinstance(spec, RunSpec):
+        spec = _as_spec(spec)
+        if not isinstance(spec, runs.RunSpec):
             raise TypeError(f"precision_run needs a RunSpec (or a dict of its fields), got {type(spec).__name__}")
         spec = self.with_device(spec)
         key = spec.to_json()
         if key not in self._datasets:
-            self._datasets[key] = run(spec)
+            self._datasets[key] = runs.run(spec)
         return self._datasets[key]
 
     def with_device(self, spec: RunSpec) -> RunSpec:
@@ -211,9 +211,12 @@ def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> 
 def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
                 rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
                 known_violation: str = "") -> CaseVerdict:
+    # lazy: xarray, torch and matplotlib load with the first precision check, not with pytest
     import xarray as xr
 
-    from precision_suite import baselines, checks, files, judge
+    from precision_suite.files import safe_filename
+    from precision_suite.jobs.judging import judge_and_chart
+    from precision_suite.verdicts import baselines, checks, judge
 
     problem = None  # pytest.fail is called outside the except blocks: no chained traceback
     try:
@@ -236,7 +239,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     if missing:
         _fail_unchecked(node, spec_or_dataset,
                         f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
-                        "pass a RunSpec or a dataset made by precision_suite.runs.run")
+                        "pass a RunSpec or a dataset made by precision_suite.run")
     case = str(ds.attrs["case"])
     path = baselines.baseline_path(settings.baseline_dir, case)
     hint = f"pytest '{node.nodeid}' --precision-regen"
@@ -266,12 +269,12 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
             extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
                                         float("nan"), f"{case}: {err}"))
     # charts and obtained files are named per test: two tests of one case never share one
-    name = files.safe_filename(node.nodeid)
-    outcome = judge.judge_case(ds, baseline, rules=project.rules, case_rules=call_rules,
-                               tolerances=[project.tolerances, tolerances or {}], known=known_violation,
-                               chart_path=settings.report_dir / "charts" / f"{name}.png",
-                               obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
-                               regen_hint=hint, extra_findings=extra)
+    name = safe_filename(node.nodeid)
+    outcome = judge_and_chart(ds, baseline, rules=project.rules, case_rules=call_rules,
+                              tolerances=[project.tolerances, tolerances or {}], known=known_violation,
+                              chart_path=settings.report_dir / "charts" / f"{name}.png",
+                              obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
+                              regen_hint=hint, extra_findings=extra)
     node.user_properties.append((CASE_PROPERTY, case))
     node.user_properties.append((STATUS_PROPERTY, outcome.status))
     for chart in outcome.charts:
@@ -283,7 +286,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
 
 def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> NoReturn:
     """Fail a check that could not be made; its JUnit XML properties still say so ("error")."""
-    from precision_suite.runs import case_id
+    from precision_suite.training.runs import case_id  # lazy: torch, only for a failing check
 
     try:  # the case this check was for, as far as its spec tells
         case = str(spec_or_dataset.attrs.get("case", "?")) if hasattr(spec_or_dataset, "attrs") \
@@ -296,16 +299,18 @@ def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> No
 
 
 def _as_spec(spec: Any) -> RunSpec:
-    from precision_suite.runs import RunSpec
+    """`spec`, or the RunSpec of a mapping of its fields ({"model": "vit", ...}: unknown keys are
+    refused by name)."""
+    from precision_suite.training.runs import RunSpec  # lazy: torch, only once a spec is checked
 
     return RunSpec.from_json(json.dumps(dict(spec))) if isinstance(spec, Mapping) else spec
 
 
 def _regenerate(node: pytest.Item, spec: RunSpec, baseline_dir: Path) -> None:
     """Write the seed-ensemble baseline, unless it already holds these numbers (no git churn)."""
-    from precision_suite import baselines
+    from precision_suite.jobs.baselines import regenerate  # lazy: torch, only under --precision-regen
 
-    for path, written in baselines.regenerate([spec], baseline_dir):
+    for path, written in regenerate([spec], baseline_dir):
         if written:
             node.user_properties.append((BASELINE_PROPERTY, str(path)))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from precision_suite.data import BYTE_VOCAB, text_batch
+from precision_suite.training.data import BYTE_VOCAB, text_batch
 
 SEQ_LEN = 32
 

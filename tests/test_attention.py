@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_suite.attention import ATTENTIONS, get_attention, known_attentions, register_attention
+from precision_suite.training.attention import ATTENTIONS, get_attention, known_attentions, register_attention
 
 
 @st.composite

@@ -19,7 +19,7 @@ import xarray as xr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_suite.baselines import (
+from precision_suite.verdicts.baselines import (
     DEFAULT_TOLERANCES,
     SCHEMA_VERSION,
     BaselineError,

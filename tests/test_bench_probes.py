@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from precision_suite.runs import RunSpec, Trainer
+from precision_suite.training.runs import RunSpec, Trainer
 
 STEPS_PER_ROUND = 10
 # mode: (probes fire every this many steps, goal: at most this many plain steps' time)

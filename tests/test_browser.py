@@ -22,9 +22,9 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from precision_suite import charts, reports
-from precision_suite.baselines import compare
-from precision_suite.checks import verdict
+from precision_suite.reports import charts, reports
+from precision_suite.verdicts.baselines import compare
+from precision_suite.verdicts.checks import verdict
 from synthetic_data import make_run_dataset
 
 REQUIRE_ENV = "PRECISION_SUITE_REQUIRE_BROWSER"

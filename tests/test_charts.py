@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from matplotlib.collections import PathCollection, PolyCollection
 
-from precision_suite import charts
-from precision_suite.baselines import compare, tolerance_band
-from precision_suite.checks import Finding, check_rules
-from precision_suite.metric_table import METRICS
+from precision_suite.reports import charts
+from precision_suite.verdicts.baselines import compare, tolerance_band
+from precision_suite.verdicts.checks import Finding, check_rules
+from precision_suite.numerics.metric_table import METRICS
 from synthetic_data import make_run_dataset
 
 

@@ -12,7 +12,7 @@ import xarray as xr
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precision_suite.checks import (
+from precision_suite.verdicts.checks import (
     BoundRule,
     CaseVerdict,
     Finding,

@@ -12,9 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import __version__, calibration, cli, execution, files, matrix, runs
-from precision_suite.ensemble import ENSEMBLE_SEEDS
-from precision_suite.runs import RunSpec, case_id
+from precision_suite import __version__, cli, files
+from precision_suite.verdicts import calibration
+from precision_suite.jobs import execution
+from precision_suite.training import matrix, runs
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
+from precision_suite.jobs.selection import config_specs
+from precision_suite.training.runs import RunSpec, case_id
 from synthetic_data import make_run_dataset
 
 TINY_CONFIG = """
@@ -290,7 +294,7 @@ def test_real_training_end_to_end(workdir, capsys):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "tiny.toml"]) == 0
     assert cli.main(["run", "--config", "tiny.toml", "--report-dir", "out"]) == 0
     summary = _summary(workdir / "out")
-    (spec,) = cli._config_specs(Path("tiny.toml"))
+    (spec,) = config_specs(Path("tiny.toml"))
     assert [(c["case"], c["status"]) for c in summary["cases"]] == [(case_id(spec), "pass")]
     assert np.isfinite(files.load_dataset(workdir / "baselines" / f"{case_id(spec)}.nc")
                        ["attention_norm"].values).all()

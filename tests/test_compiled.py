@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precision_suite import quant_error, quantization, quantize
-from precision_suite.formats import BF16, E2M1, E4M3, E5M2, get_format
-from precision_suite.quantization import round_by_bits
+from precision_suite import quant_error, quantize
+from precision_suite.numerics import quantization
+from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, get_format
+from precision_suite.numerics.quantization import round_by_bits
 
 CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e4m3", (128, 128)), ("e5m2", (1, 128)), ("e5m2", (128, 1)),
          ("mxfp8", (1, 32)), ("mxfp8", (32, 1)), ("nvfp4", (1, 16)), ("nvfp4", (16, 1)), ("bf16", "tensor")]

@@ -28,8 +28,10 @@ import pytest
 import xarray as xr
 
 import precision_suite
-from precision_suite import cli, execution, files, runs
-from precision_suite.execution import Task
+from precision_suite import cli, files
+from precision_suite.jobs import execution
+from precision_suite.training import runs
+from precision_suite.jobs.execution import Task
 
 # Two tiny cases: about half a second per run on two busy cores. The CLI tests train the first
 # (its ensemble is 12 runs: 4 seeds and their first steps with 2 threads and with eager kernels).
@@ -68,7 +70,9 @@ TRAINING_ENV = {"PRECISION_SUITE_COMPILE": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 SERIAL_SCRIPT = """
 import sys
 from pathlib import Path
-from precision_suite import baselines, execution, files, runs
+from precision_suite.jobs import baselines, execution
+from precision_suite import files
+from precision_suite.training import runs
 
 folder = Path(sys.argv[1])
 specs = [runs.RunSpec(**case) for case in files.read_toml(folder / "tiny.toml")["case"]]

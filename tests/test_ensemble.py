@@ -1,4 +1,4 @@
-"""The calibrated comparison against seed ensembles (precision_suite.ensemble): laws it promises.
+"""The calibrated comparison against seed ensembles (precision_suite.verdicts.ensemble): laws it promises.
 
 Synthetic runs (tests/synthetic_data.py) differ between seeds like short training does; each law
 is checked on both sides: the unchanged case passes, the change fails.
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from precision_suite import cli
-from precision_suite.baselines import BaselineError, load_ensemble, save_baseline
-from precision_suite.ensemble import SPACES, EnsembleError, compare_ensemble, leave_one_out, make_ensemble
+from precision_suite.verdicts.baselines import BaselineError, load_ensemble, save_baseline
+from precision_suite.verdicts.ensemble import SPACES, EnsembleError, compare_ensemble, leave_one_out, make_ensemble
 from synthetic_data import make_run_dataset
 
 SEEDS = (0, 1, 2, 3)

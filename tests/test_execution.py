@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import xarray as xr
 
-from precision_suite import execution, matrix, runs
-from precision_suite.execution import Task
-from precision_suite.runs import RunSpec
+from precision_suite.jobs import execution
+from precision_suite.training import matrix, runs
+from precision_suite.jobs.execution import Task
+from precision_suite.training.runs import RunSpec
 
 
 def test_the_default_matrix_starts_its_quantized_gpt_cases_first_and_keeps_ties_in_order():

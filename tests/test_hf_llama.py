@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
 
 from precision_suite import instrument  # noqa: E402
-from precision_suite.data import text_batch  # noqa: E402
+from precision_suite.training.data import text_batch  # noqa: E402
 
 import hf_models  # noqa: E402  (tests/ is on sys.path)
 
@@ -42,7 +42,7 @@ def test_llama_gemms_and_sdpa_attention_are_recorded_per_module():
 
 CHECK = """
 import pytest
-from precision_suite.runs import RunSpec
+from precision_suite.training.runs import RunSpec
 
 @pytest.mark.precision
 def test_llama(precision_check):

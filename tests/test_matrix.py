@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from precision_suite.matrix import KNOWN_VIOLATIONS, QUICK_CASES, default_matrix
-from precision_suite.runs import RunSpec, case_id
+from precision_suite.training.matrix import KNOWN_VIOLATIONS, QUICK_CASES, default_matrix
+from precision_suite.training.runs import RunSpec, case_id
 
 # Bounded attention variants: normalised rows (softmax) or a bias of -log N (sigmoid) keep the
 # norm from growing with training; the suite flags a doubling within the short run.

@@ -1,7 +1,7 @@
 """Bit-exact agreement with an independent oracle: ml_dtypes casts with block scaling in numpy.
 
 The oracle re-derives each scale rule from ../shared/SCIENCE.md and the OCP MX spec in numpy and
-lets ml_dtypes round the elements, so no code is shared with precision_suite.quantization.
+lets ml_dtypes round the elements, so no code is shared with precision_suite.numerics.quantization.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quantize
-from precision_suite.formats import BF16, E2M1, E4M3, E5M2, ElementType, Format
-from precision_suite.quantization import round_by_bits, round_to_element
-from precision_suite import strategies as pst
+from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, ElementType, Format
+from precision_suite.numerics.quantization import round_by_bits, round_to_element
+from precision_suite.numerics import strategies as pst
 
 F32 = np.float32
 FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}

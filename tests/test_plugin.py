@@ -37,10 +37,11 @@ from pathlib import Path
 
 import pytest
 
-from precision_suite import calibration, files
-from precision_suite.baselines import baseline_path
+from precision_suite import files
 from precision_suite.files import safe_filename
-from precision_suite.runs import RunSpec, case_id
+from precision_suite.training.runs import RunSpec, case_id
+from precision_suite.verdicts import calibration
+from precision_suite.verdicts.baselines import baseline_path
 
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -60,7 +61,7 @@ import pytest
 sys.path.insert(0, {str(TESTS_DIR)!r})
 from synthetic_data import make_run_dataset
 
-import precision_suite.runs as runs
+import precision_suite.training.runs as runs
 
 PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
 
@@ -87,7 +88,7 @@ def synthetic_training(monkeypatch):
 
 CHECK_FILE = """
 import pytest
-from precision_suite.runs import RunSpec
+from precision_suite.training.runs import RunSpec
 
 @pytest.mark.precision
 def test_case(precision_check):
@@ -247,7 +248,7 @@ def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, mon
 
 def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
     inner.makepyfile(test_inner_two="""
-        from precision_suite.runs import RunSpec
+        from precision_suite.training.runs import RunSpec
 
         def test_one(precision_check):
             precision_check(RunSpec(model="vit"))
@@ -291,8 +292,8 @@ def test_spec_change_is_another_case_with_a_hint_that_works(inner):
 def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
     make_check(inner)
     in_fresh_python(inner, f"""
-        from precision_suite.baselines import baseline_path, save_baseline
-        from precision_suite.runs import RunSpec
+        from precision_suite.verdicts.baselines import baseline_path, save_baseline
+        from precision_suite.training.runs import RunSpec
         from synthetic_data import make_run_dataset
         old = make_run_dataset(depth=3, steps=20, sample_every=10)
         old.attrs.update(case={CASE!r}, spec=RunSpec(model="vit").to_json())
@@ -401,7 +402,7 @@ def vit(attention: str = "softmax", device: str = "auto") -> RunSpec:
 
 
 VIT = """
-from precision_suite.runs import RunSpec
+from precision_suite.training.runs import RunSpec
 
 def vit(attention="softmax"):
     return RunSpec(model="vit", attention=attention)
@@ -426,7 +427,7 @@ def test_b(precision_run):
 def test_a_bad_spec_fails_with_the_reason_only(pytester):
     pytester.makeconftest("""
 import pytest
-import precision_suite.runs as runs
+import precision_suite.training.runs as runs
 
 def refuse(spec, progress=None):
     raise ValueError(f"unknown attention {spec.attention!r}; known: softmax, x/1")
@@ -453,7 +454,7 @@ def test_bad(precision_check):
 def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
     inner.makepyfile(test_inner_cases="""
         import pytest
-        from precision_suite.runs import RunSpec
+        from precision_suite.training.runs import RunSpec
 
         @pytest.mark.parametrize("attention", ["x/1", "x^3/1"])
         def test_case(precision_check, attention):

@@ -10,8 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from precision_suite import get_format, quantize
-from precision_suite import strategies as pst
-from precision_suite.layouts import as_2d, to_blocks
+from precision_suite.numerics import strategies as pst
+from precision_suite.numerics.layouts import as_2d, to_blocks
 from test_oracle import all_finite_values
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -186,7 +186,7 @@ def test_empty_tensor_gives_empty_result():
 
 
 def test_layout_strings_and_defaults():
-    from precision_suite.layouts import layout_label, parse_layout
+    from precision_suite.numerics.layouts import layout_label, parse_layout
 
     assert parse_layout("128x1") == (128, 1)
     assert parse_layout(None, "mxfp8") == (1, 32)

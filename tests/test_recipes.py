@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from precision_suite import cli
-from precision_suite.formats import get_format
-from precision_suite.quantization import quantize, stochastic_round
-from precision_suite.recipes import (
+from precision_suite.jobs.selection import config_specs
+from precision_suite.numerics.formats import get_format
+from precision_suite.numerics.quantization import quantize, stochastic_round
+from precision_suite.training.recipes import (
     NAMED_RECIPES, RECIPES_ENV, Gemm, Operand, QuantLinear, Recipe, get_recipe, recipes_environment,
     recipes_from_toml, set_recipe)
-from precision_suite.runs import RunSpec, run
+from precision_suite.training.runs import RunSpec, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}
 
@@ -147,8 +148,8 @@ def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
     config.write_text('[recipes.mine]\nfprop = { a = "e4m3:tensor", b = "e4m3:tensor" }\n'
                       'dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }\nwgrad = { a = "fp32", b = "fp32" }\n'
                       '[[case]]\nmodel = "gpt"\nrecipe = "mine"\n')
-    (spec,) = cli._config_specs(config)
+    (spec,) = config_specs(config)
     assert spec.training_recipe().wgrad.a.fmt == "fp32"
     config.write_text('[recipe.mine]\n[[case]]\nmodel = "gpt"\n')
     with pytest.raises(cli.UsageError, match="unknown top-level key.*recipe"):
-        cli._config_specs(config)
+        config_specs(config)

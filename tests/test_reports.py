@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite import charts, files, reports
-from precision_suite.baselines import compare
-from precision_suite.checks import CaseVerdict, Finding, verdict
+from precision_suite.reports import charts, reports
+from precision_suite import files
+from precision_suite.verdicts.baselines import compare
+from precision_suite.verdicts.checks import CaseVerdict, Finding, verdict
 from synthetic_data import make_run_dataset
 
 

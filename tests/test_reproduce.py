@@ -12,10 +12,12 @@ import math
 import numpy as np
 import pytest
 
-from precision_suite import cli, execution, files, reproduce, runs
-from precision_suite.checks import run_spec
-from precision_suite.reports import markdown_cell
-from precision_suite.reproduce import FIGURE_A_VARIANTS, SCALED_TWINS, figure_a_claims, figure_b_claims
+from precision_suite import cli, files
+from precision_suite.jobs import execution, reproduce
+from precision_suite.training import runs
+from precision_suite.verdicts.checks import run_spec
+from precision_suite.reports.reports import markdown_cell
+from precision_suite.reports.reproduction import FIGURE_A_VARIANTS, SCALED_TWINS, figure_a_claims, figure_b_claims
 from synthetic_data import make_run_dataset
 
 N_TOKENS = 196

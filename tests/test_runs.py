@@ -12,9 +12,9 @@ import torch
 import xarray as xr
 
 import precision_suite
-from precision_suite import runs
+from precision_suite.training import runs
 from precision_suite.files import SCHEMA_VERSION, load_dataset, save_dataset
-from precision_suite.runs import RunSpec, case_id, run
+from precision_suite.training.runs import RunSpec, case_id, run
 
 # 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
 TINY_VIT = dict(model="vit", depth=2, steps=4, batch_size=8, sample_every=2)
@@ -227,7 +227,7 @@ def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element
     """The compile decision's estimate is the number of elements the run's quantizers really see
     (counted where every quantizer checks its input), and a run below COMPILE_MIN_RUN_ELEMENTS
     compiles nothing, so it pays no compile tax."""
-    from precision_suite import metrics, quantization
+    from precision_suite.numerics import metrics, quantization
 
     seen: list[int] = []
     check = quantization.check_tensor
@@ -253,8 +253,8 @@ def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element
 
 
 def test_every_default_case_compiles_so_its_baseline_numbers_are_those_of_the_kernels():
-    from precision_suite.matrix import default_matrix
-    from precision_suite.quantization import compile_pays
+    from precision_suite.training.matrix import default_matrix
+    from precision_suite.numerics.quantization import compile_pays
 
     for spec in default_matrix():
         torch.manual_seed(0)
@@ -263,7 +263,7 @@ def test_every_default_case_compiles_so_its_baseline_numbers_are_those_of_the_ke
 
 
 def test_compile_1_compiles_even_a_small_run(monkeypatch):
-    from precision_suite import quantization
+    from precision_suite.numerics import quantization
 
     compiled: list[tuple] = []
 

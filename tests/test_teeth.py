@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from precision_suite import cli, models, quantization
-from precision_suite.ensemble import ENSEMBLE_SEEDS
+from precision_suite import cli
+from precision_suite.training import models
+from precision_suite.numerics import quantization
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
 CONFIG = """

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from precision_suite.findings import TIME_DIMS, Finding, format_where, to_python
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
-from precision_suite.metric_table import METRICS
+from precision_suite.numerics.metric_table import METRICS
+from precision_suite.verdicts.ensemble import EnsembleError, check_ensemble, first_step_tolerance, make_ensemble
+from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
 EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
@@ -173,7 +174,7 @@ def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
         raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
-                            "save datasets made by precision_suite.runs.run")
+                            "save datasets made by precision_suite.run")
     return save_dataset(ds, path)
 
 
@@ -201,8 +202,9 @@ def default_regen_hint(case: str) -> str:
 
 
 def in_default_matrix(case: str) -> bool:
-    from precision_suite.matrix import default_matrix  # late: the matrix needs torch (runs.py)
-    from precision_suite.runs import case_id
+    # lazy: the matrix loads torch (runs.py); the plugin's header and `compare` need no torch
+    from precision_suite.training.matrix import default_matrix
+    from precision_suite.training.runs import case_id
 
     return case in {case_id(spec) for spec in default_matrix()}
 
@@ -249,8 +251,6 @@ def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, 
 
 def load_ensemble(path: str | os.PathLike, **kwargs: Any) -> xr.Dataset:
     """`load_baseline`, then check that the file is a seed ensemble (BaselineError otherwise)."""
-    from precision_suite.ensemble import EnsembleError, check_ensemble
-
     ds = load_baseline(path, **kwargs)
     try:
         check_ensemble(ds, path)
@@ -460,52 +460,7 @@ def _error(case: str, metric: str, message: str) -> Finding:
 # --------------------------------------------------------------------------- seed ensembles
 
 
-def ensemble_tasks(spec: Any, seeds: Sequence[int] | None = None) -> list:
-    """The runs that make `spec`'s baseline: one per ensemble seed, and per seed its first step
-    under each rounding-only perturbation (which calibrates the first-point tolerance)."""
-    from precision_suite.ensemble import ENSEMBLE_SEEDS, ROUNDING_PERTURBATIONS
-    from precision_suite.execution import Task
-
-    from precision_suite.runs import case_id
-
-    seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
-    case = case_id(spec)  # a first-step twin is another case by its own id: progress names this one
-    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}") for seed in seeds]
-    for perturbation in ROUNDING_PERTURBATIONS:
-        changes = {k: v for k, v in perturbation.items() if k != "env"}
-        for seed in seeds:
-            twin = dataclasses.replace(spec, seed=seed, steps=1, **changes)
-            tasks.append(Task(twin, env=perturbation.get("env", {}),
-                              label=f"{case} seed {seed} first step, {perturbation}"))
-    return tasks
-
-
 def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int) -> xr.Dataset:
-    """The ensemble baseline from the results of `ensemble_tasks` (in their order)."""
-    from precision_suite.ensemble import first_step_tolerance, make_ensemble
-
+    """The ensemble baseline from the results of `jobs.baselines.ensemble_tasks` (in their order)."""
     runs, twins = list(results[:n_seeds]), list(results[n_seeds:])
     return make_ensemble(runs, first_step_tolerance(runs, twins))
-
-
-def regenerate(specs: Sequence[Any], baseline_dir: str | os.PathLike, workers: int = 1,
-               progress: Any = None, seeds: Sequence[int] | None = None, *,
-               scheduler: str | None = None) -> list[tuple[Path, bool]]:
-    """Train every spec's ensemble (all cases' runs share one pool, or the Dask cluster at
-    `scheduler`) and write each baseline that changed; returns (path, written) per spec. Nothing
-    is written until every run has finished. Used by the command line and --precision-regen."""
-    from precision_suite.ensemble import ENSEMBLE_SEEDS
-    from precision_suite.execution import run_tasks
-    from precision_suite.runs import case_id
-
-    n_seeds = len(tuple(ENSEMBLE_SEEDS if seeds is None else seeds))
-    per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
-    flat = [task for tasks in per_spec for task in tasks]
-    results = run_tasks(flat, workers, progress, scheduler=scheduler)
-    written, start = [], 0
-    for spec, tasks in zip(specs, per_spec):
-        ensemble = build_ensemble(results[start:start + len(tasks)], n_seeds)
-        start += len(tasks)
-        path = baseline_path(baseline_dir, case_id(spec))
-        written.append((path, update_baseline(ensemble, path)))
-    return written

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from precision_suite.formats import Format, get_format
-from precision_suite.layouts import as_2d, parse_layout, to_blocks
-from precision_suite.quantization import check_tensor, fused, qdq_blocks
+from precision_suite.numerics.formats import Format, get_format
+from precision_suite.numerics.layouts import as_2d, parse_layout, to_blocks
+from precision_suite.numerics.quantization import check_tensor, fused, qdq_blocks
 
 SUM_FIELDS = ("numel", "nonfinite_in", "underflow", "zeros_after", "overflow", "dot", "xx", "yy", "err2")
 

@@ -13,6 +13,7 @@ layer, over tokens seen.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from precision_suite.checks import run_spec
 from precision_suite.files import atomic_file
-from precision_suite.findings import severity
-from precision_suite.metric_table import METRICS
+from precision_suite.numerics.metric_table import METRICS
+from precision_suite.verdicts.baselines import tolerance_band
+from precision_suite.verdicts.checks import run_spec
+from precision_suite.verdicts.ensemble import ensemble_band
+from precision_suite.verdicts.findings import severity
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
@@ -162,13 +165,13 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     threshold bounds dotted, and each offending (layer, step) marked with a red cross.
     `baseline` may be None for threshold-only findings. `band(metric, reference)` returns the
     band edges over the steps (None: no band); the default is
-    `precision_suite.baselines.tolerance_band` with the default tolerances.
+    `precision_suite.verdicts.baselines.tolerance_band` with the default tolerances.
     """
     case = current.attrs.get("case", "run")
     every_panel = _drift_panels(current, findings)
     panels, left_out = every_panel[:MAX_DRIFT_PANELS], every_panel[MAX_DRIFT_PANELS:]
-    if band is None:  # late import: only drift charts need the comparison machinery
-        from precision_suite.baselines import tolerance_band as band
+    if band is None:
+        band = tolerance_band
     fig, axes = _new_figure(len(panels) or 1, 1, panel_size=(9.0, 3.6))
     if not panels:
         ax = axes[0][0]
@@ -210,9 +213,7 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
 
 
 def _save_palette_png(fig: Figure, handle) -> None:
-    import io
-
-    from PIL import Image  # matplotlib's own dependency
+    from PIL import Image  # matplotlib's own dependency; lazy: only palette PNGs need it
 
     rendered = io.BytesIO()
     fig.savefig(rendered, format="png", dpi=DPI)
@@ -352,8 +353,6 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
                 label=f"{label} current")
         if reference is not None and "seed" in reference.dims:
             # a seed ensemble: every seed faint, the accepted band shaded, the current run bold
-            from precision_suite.ensemble import ensemble_band
-
             ref_x = reference[x_dim].values if x_dim else xs
             for i, seed in enumerate(reference["seed"].values):
                 ax.plot(ref_x, np.atleast_1d(reference.sel(where).sel(seed=seed).values.astype(float)),

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from precision_suite.formats import get_format
-from precision_suite.layouts import Layout, layout_label, parse_layout
+from precision_suite.numerics.formats import get_format
+from precision_suite.numerics.layouts import Layout, layout_label, parse_layout
 
 TENSOR_ROLES = ("activation", "gradient", "gradient_transpose", "weight")
 

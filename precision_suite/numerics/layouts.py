@@ -24,7 +24,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
-from precision_suite.formats import Format, get_format
+from precision_suite.numerics.formats import Format, get_format
 
 Layout = Union[str, tuple[int, int]]  # "tensor" or (rows, cols)
 

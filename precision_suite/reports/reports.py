@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from precision_suite import __version__, charts as _charts
-from precision_suite.calibration import statement_lines
-from precision_suite.checks import run_spec
+from precision_suite.version import __version__
+from precision_suite.reports import charts as _charts
+from precision_suite.verdicts.calibration import statement_lines
+from precision_suite.verdicts.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
-from precision_suite.findings import CHART_CHOICES, severity
+from precision_suite.verdicts.findings import CHART_CHOICES, severity
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",

@@ -17,9 +17,9 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
-from precision_suite.metric_table import METRICS, QUANT_METRICS
-from precision_suite.metrics import SUM_FIELDS, metrics_from_sums
-from precision_suite.probes import TENSOR_ROLES
+from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS
+from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
+from precision_suite.training.probes import TENSOR_ROLES
 
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")

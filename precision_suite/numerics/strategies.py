@@ -5,7 +5,7 @@ generator: hypothesis shrinks the few parameters instead of thousands of element
 still covers magnitudes from float32 subnormals to past a format's max.
 
     from hypothesis import given
-    from precision_suite import strategies as pst
+    from precision_suite.numerics import strategies as pst
 
     @given(x=pst.tensors(), fmt=pst.formats(), data=st.data())
     def test_mine(x, fmt, data):
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from precision_suite.formats import FORMATS, get_format
-from precision_suite.layouts import Layout
+from precision_suite.numerics.formats import FORMATS, get_format
+from precision_suite.numerics.layouts import Layout
 
 # log2 magnitudes from float32's smallest subnormal to well past e5m2's max (2**15.8).
 MIN_LOG2 = -149

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import xarray as xr
 
-    from precision_suite.runs import RunSpec
+    from precision_suite.training.runs import RunSpec
 
 DASK_INSTALL_HINT = 'pip install "precision-suite[dask]"'
 CONNECT_TIMEOUT_S = 5.0  # a scheduler answers in milliseconds; an address that is wrong never does
@@ -70,7 +70,7 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def run_task(task: Task) -> xr.Dataset:
-    from precision_suite import runs
+    from precision_suite.training import runs  # lazy: torch loads with a run, not with --help
 
     with _environment(task.env):
         return runs.run(task.spec)
@@ -148,7 +148,7 @@ def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterabl
     """The results of `futures` (future -> task index) in task order, taken as `finished` yields
     them (a pool's or Dask's as_completed); `lost`: the errors meaning that a worker process or
     the scheduler went away with the run."""
-    from precision_suite.runs import case_id
+    from precision_suite.training.runs import case_id  # lazy: torch loads with a run, not with --help
 
     results: list[Any] = [None] * len(tasks)
     for future in finished:

@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from precision_suite.calibration import DESIGN_FALSE_ALARM_RATE
-from precision_suite.findings import Finding, TIME_DIMS, format_where, to_python
-from precision_suite.metric_table import COMPARED, METRICS, Space
+from precision_suite.verdicts.calibration import DESIGN_FALSE_ALARM_RATE
+from precision_suite.verdicts.findings import Finding, TIME_DIMS, format_where, to_python
+from precision_suite.numerics.metric_table import COMPARED, METRICS, Space
 
 # Four seeds: each costs a full training run per case on regeneration, and the pooled spread
 # (below) supplies the degrees of freedom that four seeds alone do not.

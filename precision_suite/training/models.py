@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from precision_suite.attention import get_attention
-from precision_suite.data import BYTE_VOCAB, DIGITS_CLASSES, DIGITS_SIDE
-from precision_suite.recipes import QuantLinear
+from precision_suite.training.attention import get_attention
+from precision_suite.training.data import BYTE_VOCAB, DIGITS_CLASSES, DIGITS_SIDE
+from precision_suite.training.recipes import QuantLinear
 
 ModelKind = Literal["vit", "gpt"]
 

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from precision_suite.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
-from precision_suite.views import run_dataset
+from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
+from precision_suite.training.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
+from precision_suite.training.views import run_dataset
 
 WeightReader = Callable[[nn.Module], Tensor]
 

@@ -22,16 +22,16 @@ import torch
 import torch.nn.functional as F
 import xarray as xr
 
-from precision_suite import __version__
-from precision_suite.attention import get_attention
-from precision_suite.data import digits_batch, text_batch
-from precision_suite.models import ModelConfig, block_linears, build_model, model_config
-from precision_suite.metric_table import METRICS
-from precision_suite.imports import is_import_string, load_object
-from precision_suite.recorder import Recorder, instrument
-from precision_suite.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
-from precision_suite.quantization import compile_pays, compiling_if
-from precision_suite.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, recipe_layers, set_recipe
+from precision_suite.version import __version__
+from precision_suite.training.attention import get_attention
+from precision_suite.training.data import digits_batch, text_batch
+from precision_suite.training.models import ModelConfig, block_linears, build_model, model_config
+from precision_suite.numerics.metric_table import METRICS
+from precision_suite.training.imports import is_import_string, load_object
+from precision_suite.training.recorder import Recorder, instrument
+from precision_suite.training.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
+from precision_suite.numerics.quantization import compile_pays, compiling_if
+from precision_suite.training.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, recipe_layers, set_recipe
 
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from precision_suite.files import read_toml
-from precision_suite.findings import (  # noqa: F401  (re-exported: the verdict types)
+from precision_suite.verdicts.baselines import tolerances_from_config
+from precision_suite.verdicts.findings import (  # noqa: F401  (re-exported: the verdict types)
     COORD_KEYS, FINDING_KINDS, TIME_DIMS, CaseVerdict, Finding, format_where, to_python, verdict)
 
 if TYPE_CHECKING:  # xarray is only needed for annotations; keeps this module cheap to import
@@ -298,7 +299,8 @@ def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Fin
             return []
     recorded = ds
     if _per_module(ds, rule):
-        from precision_suite.views import module_view  # xarray only where a rule needs it
+        # lazy: views loads torch (metrics); the plugin reads rules at every pytest session's start
+        from precision_suite.training.views import module_view
 
         ds = module_view(ds)
     if rule.metric not in ds.data_vars:
@@ -440,9 +442,6 @@ def read_project_table(pyproject: str | Path) -> dict[str, Any]:
 
 def load_project_config(pyproject: str | Path) -> ProjectConfig:
     """Parse and validate [tool.precision_suite]; errors name the file, key and rule."""
-    # late import: baselines imports this module for Finding
-    from precision_suite.baselines import tolerances_from_config
-
     table = read_project_table(pyproject)
     unknown = sorted(set(table) - set(CONFIG_KEYS))
     if unknown:

@@ -7,7 +7,7 @@ so they share the baselines.
 
 from __future__ import annotations
 
-from precision_suite.runs import RunSpec, case_id
+from precision_suite.training.runs import RunSpec, case_id
 
 # Figure A: every attention variant on the ViT, trained in float32 (the probes only observe).
 VIT_ATTENTIONS = ("softmax", "x/1", "x/sqrt(N)", "x^3/1", "x^3/sqrt(N)", "sigmoid", "relu/N")

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from precision_suite.imports import is_import_string, load_object
+from precision_suite.training.imports import is_import_string, load_object
 
 AttentionFn = Callable[[Tensor, int, Optional[Tensor]], Tensor]
 

@@ -21,8 +21,8 @@ from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
-from precision_suite.formats import E4M3, ElementType, Format, get_format
-from precision_suite.layouts import Layout, as_2d, from_blocks, parse_layout, to_blocks
+from precision_suite.numerics.formats import E4M3, ElementType, Format, get_format
+from precision_suite.numerics.layouts import Layout, as_2d, from_blocks, parse_layout, to_blocks
 
 # Floor of an "amax" scale: the smallest normal float32, so an all-zero block gets a finite scale.
 TINY_SCALE = 2.0**-126

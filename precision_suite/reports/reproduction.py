@@ -1,12 +1,12 @@
-"""Reproductions of the two seed figures: longer runs that show the papers' qualitative picture.
+"""Reproductions of the two seed figures: the figure, the claims and the note of a figure's runs.
 
-`precision-suite reproduce figure-a|figure-b` (cli.py) trains a figure's runs, draws the figure as
-the paper does and writes into one folder the figure (PNG), the run datasets (netCDF) and a short
-Markdown note. The note states each qualitative claim of the paper (../shared/SCIENCE.md) and
+`precision-suite reproduce figure-a|figure-b` trains a figure's runs (jobs/reproduce.py), then
+`write_reproduction` draws the figure as the paper does and writes into one folder the figure
+(PNG), the run datasets (netCDF) and a short Markdown note. The note states each qualitative claim of the paper (../shared/SCIENCE.md) and
 whether this reproduction shows it, with the numbers: `figure_a_claims` and `figure_b_claims`
 compute every verdict from the datasets, so a note can never claim more than the data shows.
 
-The runs (measured choices, docs/cli.md):
+The runs (measured choices, docs/cli.md; their RunSpecs are in jobs/reproduce.py):
 
 - figure A: a 4-block GPT on Shakespeare bytes with N = 196 tokens per sequence, the paper's
   ImageNet ViT token count (224/16 patches), so `x/sqrt(N)` is the figure's `x/14`. The digits
@@ -22,30 +22,23 @@ The runs (measured choices, docs/cli.md):
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import xarray as xr
 
-if TYPE_CHECKING:  # the command line imports this module to list the figures: keep it light
-    import xarray as xr
-
-    from precision_suite.runs import RunSpec
-
-FIGURE_NAMES = ("figure-a", "figure-b")
-DEFAULT_OUT = "reports/reproduce"
+from precision_suite.files import atomic_file, safe_filename, save_dataset
+from precision_suite.reports.charts import (QUANT_PANELS, default_attention_layers, plot_attention_norm,
+                                            plot_quant_error, save_figure)
+from precision_suite.reports.figures import check_figure
+from precision_suite.reports.reports import markdown_cell
+from precision_suite.training.runs import RunSpec, case_id
 
 # figure A: every variant of the paper's figure; each unscaled polynomial with its scaled twin
 FIGURE_A_VARIANTS = ("softmax", "x/1", "x/sqrt(N)", "x^3/1", "x^3/sqrt(N)")
 SCALED_TWINS = {"x/1": "x/sqrt(N)", "x^3/1": "x^3/sqrt(N)"}
-FIGURE_A_RUN = {"model": "gpt", "recipe": "fp32", "depth": 4, "seq_len": 196, "batch_size": 4,
-                "lr": 3e-3, "steps": 200, "sample_every": 10}
-# figure B: the default GPT, its GEMM operands measured under the FP8 block recipe (the default
-# measurement) every 10th step
-FIGURE_B_RUN = {"model": "gpt", "recipe": "fp32", "steps": 300, "sample_every": 10}
 FIGURE_B_LAYERS = (0, 4, 8, 12, 16)  # the Ling 2.0 figure's layers (of 20; the GPT has 18)
 
 # Thresholds that turn the papers' words into checks (choices, stated in every claim's text)
@@ -82,58 +75,28 @@ class Reproduction:
     seconds: float
 
 
-Trainer = Callable[[Sequence["RunSpec"]], list["xr.Dataset"]]
+# --------------------------------------------------------------------------- the files
 
 
-# --------------------------------------------------------------------------- the runs
-
-
-def figure_specs(figure: str) -> list[RunSpec]:
-    """The RunSpecs a figure trains (figure A: one per variant, in FIGURE_A_VARIANTS order)."""
-    from precision_suite.runs import RunSpec
-
-    _check_figure(figure)
-    if figure == "figure-a":
-        return [RunSpec(attention=variant, **FIGURE_A_RUN) for variant in FIGURE_A_VARIANTS]
-    return [RunSpec(**FIGURE_B_RUN)]
-
-
-def reproduce(figure: str, out_dir: str | Path, train: Trainer | None = None,
-              workers: int = 1) -> Reproduction:
-    """Train `figure`'s runs, then write its chart, datasets and note into `out_dir`.
-
-    `train(specs) -> datasets` trains the runs (the command line passes one that prints
-    progress); the default trains them in `workers` processes (execution.run_tasks).
-    """
-    from precision_suite import charts, execution, files, runs
-
-    specs = figure_specs(figure)
-    if train is None:
-        def train(specs: Sequence[RunSpec]) -> list[xr.Dataset]:
-            return execution.run_tasks([execution.Task(spec) for spec in specs], workers)
+def write_reproduction(figure: str, out_dir: str | Path, specs: Sequence[RunSpec],
+                       datasets: Sequence[xr.Dataset], seconds: float) -> Reproduction:
+    """Write `figure`'s datasets, chart and note into `out_dir` from its trained runs (`specs` in
+    the order of `jobs.reproduce.figure_specs`, `seconds` the training time the note states)."""
     out = Path(out_dir)
-    started = time.monotonic()
-    datasets = train(specs)
-    seconds = time.monotonic() - started
-    paths = tuple(files.save_dataset(ds, out / f"{figure}-{files.safe_filename(runs.case_id(spec))}.nc")
+    paths = tuple(save_dataset(ds, out / f"{figure}-{safe_filename(case_id(spec))}.nc")
                   for spec, ds in zip(specs, datasets))
     if figure == "figure-a":
         by_variant = dict(zip(FIGURE_A_VARIANTS, datasets))
         claims = figure_a_claims(by_variant)
-        fig = charts.plot_attention_norm(by_variant, x="tokens")
+        fig = plot_attention_norm(by_variant, x="tokens")
     else:
         claims = figure_b_claims(datasets[0])
-        fig = charts.plot_quant_error(datasets[0], layers=FIGURE_B_LAYERS)
-    chart = charts.save_figure(fig, out / f"{figure}.png")
+        fig = plot_quant_error(datasets[0], layers=FIGURE_B_LAYERS)
+    chart = save_figure(fig, out / f"{figure}.png")
     note = out / f"{figure}.md"
-    with files.atomic_file(note) as handle:
+    with atomic_file(note) as handle:
         handle.write(note_markdown(figure, specs, claims, chart.name, paths, seconds).encode("utf-8"))
     return Reproduction(figure, chart, paths, note, tuple(claims), seconds)
-
-
-def _check_figure(figure: str) -> None:
-    if figure not in FIGURE_NAMES:
-        raise ValueError(f"unknown figure {figure!r}; choose one of {', '.join(FIGURE_NAMES)}")
 
 
 # --------------------------------------------------------------------------- figure A claims
@@ -146,8 +109,6 @@ def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | 
     `datasets` needs every variant of FIGURE_A_VARIANTS; `layers` default to the shallow and the
     deep layer the figure draws (charts.default_attention_layers).
     """
-    from precision_suite.charts import default_attention_layers
-
     missing = [v for v in FIGURE_A_VARIANTS if v not in datasets]
     if missing:
         raise ValueError(f"figure_a_claims: datasets lack the variant(s) {', '.join(missing)}; "
@@ -157,7 +118,7 @@ def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | 
     softmax = datasets["softmax"]
     if "N" not in softmax.attrs:
         raise ValueError("figure_a_claims: the softmax dataset has no attribute N (tokens per "
-                         "sequence); use a dataset made by precision_suite.runs.run")
+                         "sequence); use a dataset made by precision_suite.run")
     layers = default_attention_layers(softmax) if layers is None else [int(layer) for layer in layers]
     end = {(v, layer): _end_value(datasets[v]["attention_norm"].sel(layer=layer))
            for v in FIGURE_A_VARIANTS for layer in layers}
@@ -219,8 +180,6 @@ def _depth_changes_growth(datasets: Mapping[str, xr.Dataset], layers: Sequence[i
 
 def figure_b_claims(ds: xr.Dataset, layers: Sequence[int] = FIGURE_B_LAYERS) -> list[Claim]:
     """The claims of figure B (SCIENCE.md) on one FP8-block run, over the layers drawn."""
-    from precision_suite.charts import QUANT_PANELS
-
     _require(ds, ("underflow", "distortion"), "figure_b_claims: the dataset")
     available = {int(v) for v in ds["layer"].values}
     unknown = [layer for layer in layers if layer not in available]
@@ -372,9 +331,7 @@ _SETUP = {
 def note_markdown(figure: str, specs: Sequence[RunSpec], claims: Sequence[Claim], chart_name: str,
                   dataset_paths: Sequence[Path], seconds: float) -> str:
     """The Markdown note: source, runs, figure, each claim with its verdict and numbers."""
-    from precision_suite.reports import markdown_cell
-
-    _check_figure(figure)
+    check_figure(figure)
     title, source = _TITLES[figure]
     spec = specs[0]
     config = spec.model_config()
@@ -386,7 +343,7 @@ def note_markdown(figure: str, specs: Sequence[RunSpec], claims: Sequence[Claim]
     lines = [f"# {title}", "", f"Paper: {source}.", "", setup, "",
              f"![{figure}]({chart_name})", "",
              f"**{shown} of {len(claims)} claims shown** (computed from the datasets by "
-             f"`precision_suite.reproduce.{figure.replace('-', '_')}_claims`).", "",
+             f"`precision_suite.reports.reproduction.{figure.replace('-', '_')}_claims`).", "",
              "| claim | shown | numbers |", "|---|---|---|"]
     for claim in claims:
         numbers = "; ".join(f"{name} {value:.4g}" for name, value in claim.numbers.items())

@@ -1,0 +1,104 @@
+"""Calibration runs: every selected case under perturbations that must not fail it (2 threads,
+eager PRECISION_SUITE_COMPILE=0, held-out seeds), judged against its baseline ensemble, and every
+baseline seed judged against the others; the false alarms counted per metric are written beside
+the baselines (verdicts.calibration states them in every later report)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import xarray as xr
+
+from precision_suite.files import safe_filename, save_dataset, write_json
+from precision_suite.jobs import judging
+from precision_suite.jobs.execution import Task
+from precision_suite.jobs.selection import Selection, regen_command, selected_specs
+from precision_suite.jobs.train import describe, placement, run_tasks
+from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
+from precision_suite.reports import reports
+from precision_suite.training.runs import case_id
+from precision_suite.verdicts import calibration, ensemble
+from precision_suite.verdicts.findings import CaseVerdict
+
+
+def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_dir: str, rules_file: str,
+              report_dir: str | None, charts: str, workers: int | None, scheduler: str | None) -> int:
+    """Run the calibration of the selected cases, write its report and `calibration.json` beside
+    the baselines, print the false alarms and the smallest detected changes; the exit status."""
+    specs = selected_specs(selection)
+    where = placement(workers, scheduler)
+    rules, tolerances = judging.load_rules(rules_file)
+    references = {case_id(s): judging.load_reference(baseline_dir, case_id(s), s.to_json(),
+                                                     regen_command(selection, baseline_dir, case_id(s)))
+                  for s in specs}
+    perturbations = [("threads=2", {"threads": 2}, {}),
+                     ("PRECISION_SUITE_COMPILE=0", {}, {"PRECISION_SUITE_COMPILE": "0"})]
+    perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in held_out_seeds]
+    runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{case_id(spec)} {label}"))
+                     for spec in specs for label, changes, env in perturbations]
+    tasks = [task for _, _, task in runs_to_judge]
+    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations "
+          f"{describe(where, len(tasks))}", file=sys.stderr)
+    results = run_tasks(tasks, where)
+    folder = judging.report_dir(report_dir)
+    verdicts: list[CaseVerdict] = []
+    table: list[dict[str, Any]] = []
+    for (spec, label, _), ds in zip(runs_to_judge, results):
+        case = case_id(spec)
+        ds = ds.assign_attrs(case=f"{case} [{label}]")
+        save_dataset(ds, folder / "results" / f"{safe_filename(ds.attrs['case'])}.nc")
+        _tabulate(table, verdicts, case, label, judging.judge_case(case, ds, references[case], rules, tolerances,
+                                                                   folder, charts))
+    for case, reference in references.items():  # free held-out runs: each member against the rest
+        if len(ensemble.ensemble_seeds(reference)) < 3:
+            continue  # one seed left: no spread to judge by
+        for seed, member, others in ensemble.leave_one_out(reference):
+            label = f"seed {seed} left out"
+            member = member.assign_attrs(case=f"{case} [{label}]")
+            outcome = judging.judge_case(case, member, others, rules, tolerances, folder, charts)
+            _tabulate(table, verdicts, case, label, outcome)
+    detectable = {case_id(spec): ensemble.detectable_change(ds, references[case_id(spec)])
+                  for spec, ds in zip(specs, results[::len(perturbations)])}
+    alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in ensemble.SPACES}
+    failing = [row for row in table if row["status"] in ("fail", "error", "drift")]
+    measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "fingerprint": _host_fingerprint(results[0]) if results else {},
+                "cases": sorted(references), "perturbations": sorted({row["perturbation"] for row in table}),
+                "runs": len(table), "runs_with_alarms": len(failing), "false_alarms": alarms_by_metric}
+    sensitivity = {"design_false_alarm_rate": ensemble.FALSE_ALARM_RATE, "measured": measured,
+                   "detectable_change": detectable}
+    reports.write_report(verdicts, folder, charts=charts, sensitivity=sensitivity)
+    write_json({"runs": table, **sensitivity}, folder / "calibration.json")
+    # beside the baselines it measured, so every later run report can state it
+    write_json(measured, calibration.measured_path(baseline_dir))
+    print(f"{len(table)} perturbed runs ({len(tasks)} trained, {len(table) - len(tasks)} members left out of "
+          f"their ensemble), {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
+    for row in failing:
+        print(f"  {row['status'].upper():5} {row['case']} [{row['perturbation']}]")
+    for metric, count in alarms_by_metric.items():
+        print(f"{metric:15} false alarms {count}")
+    for case, changes in detectable.items():
+        print(f"smallest detected change, {case}:")
+        for metric, text in changes.items():
+            print(f"  {metric:15} {text}")
+    print(f"report: {folder / 'index.html'}; table: {folder / 'calibration.json'}; "
+          f"summary for later run reports: {calibration.measured_path(baseline_dir)} (commit it)")
+    return EXIT_REGRESSION if failing else EXIT_OK
+
+
+def _host_fingerprint(ds: xr.Dataset) -> dict[str, Any]:
+    """The host a calibration measured: a run's fingerprint without its own thread count."""
+    return {k: v for k, v in json.loads(ds.attrs["fingerprint"]).items() if k != "threads"}
+
+
+def _tabulate(table: list[dict[str, Any]], verdicts: list[CaseVerdict], case: str, label: str,
+              outcome: CaseVerdict) -> None:
+    alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
+    verdicts.append(outcome)
+    table.append({"case": case, "perturbation": label, "status": outcome.status,
+                  "false_alarms": {m: sum(f.metric == m for f in alarms) for m in ensemble.SPACES}})
