@@ -270,7 +270,7 @@ def _require_variables(ds: xr.Dataset, names: Sequence[str], what: str) -> None:
     missing = [n for n in names if n not in ds.variables]
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}; charts need run datasets made by "
-                         "precision_suite.runs.run (schema in docs/architecture.md)")
+                         "precision_suite.run (schema in docs/architecture.md)")
 
 
 def _require_layers(ds: xr.Dataset, layers: Sequence[int], what: str) -> None:

@@ -280,7 +280,7 @@ def _require(ds: xr.Dataset, names: Sequence[str], what: str) -> None:
     missing = [name for name in names if name not in ds.variables]
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}; use datasets made by "
-                         "precision_suite.runs.run (schema in docs/architecture.md)")
+                         "precision_suite.run (schema in docs/architecture.md)")
 
 
 def _ratio(numerator: float, denominator: float) -> float:
