@@ -1,15 +1,16 @@
 # Two entry points; each sets up .venv on first use (see README.md).
 #   make run    precision-suite run on the built-in default matrix
 #   make test   the whole test suite
+#   make gpu-check  the prepared CUDA check (benchmarks/gpu_check.py) with $(PYTHON); installs nothing
 VENV ?= .venv
-# The CPU wheel of torch 2.13 installs fast on CI machines; any torch >= 2.1 works
+# The CPU wheel of torch 2.13 installs fast on CI machines; any torch >= 2.3 works
 # (e.g. `make test TORCH=torch` for the default CUDA build).
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: run test quick bench clean
+.PHONY: run test quick bench gpu-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,14 @@ quick: $(BIN)/.installed
 bench: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist
 	$(BIN)/python benchmarks/warmup.py --small-runs
+
+# The prepared check of the CUDA path (issue 25). It uses the current python, never the venv: on
+# the GPU machine the CUDA build of torch is already installed and no registry can be reached, so
+# the package goes in with `pip install --no-deps -e .` (wheels for the rest: see the script).
+GPU_CHECK_OUT ?= reports/gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) reports/*/ .hypothesis .benchmarks

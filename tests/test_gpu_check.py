@@ -1,0 +1,32 @@
+"""The prepared GPU check (benchmarks/gpu_check.py) runs end to end on a CPU-only machine: every
+part recorded with a status, CUDA absent said, exit status 0, the Markdown summary written.
+No time is asserted; --tiny keeps it near a minute on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+PARTS = ["environment", "quantization", "gemm", "speed", "quick_matrix"]
+
+
+@pytest.mark.slow  # about a minute: a precision-suite run of one quick case and two small trainings
+def test_tiny_gpu_check_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tiny", "--device", "cpu"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [p["part"] for p in report["parts"]] == PARTS
+    statuses = {p["part"]: p["status"] for p in report["parts"]}
+    assert statuses == {**dict.fromkeys(PARTS, "ok"), "gemm": "skipped"}, statuses
+    assert report["cuda_available"] is False and report["device"] == "cpu" and report["all_ran"]
+    assert "CUDA absent" in report["parts"][2]["reason"]
+    quantization = report["parts"][1]["figures"]
+    assert quantization["bit_exact"] and "CUDA absent" in quantization["note"]
+    assert report["parts"][4]["figures"]["verdict"] == "pass"
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (cpu, tiny)")
