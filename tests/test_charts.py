@@ -9,6 +9,7 @@ from matplotlib.collections import PathCollection, PolyCollection
 from precision_suite.reports import charts
 from precision_suite.verdicts.baselines import compare, tolerance_band
 from precision_suite.verdicts.checks import Finding, check_rules
+from precision_suite.verdicts.ensemble import SPACES, compare_ensemble, make_ensemble
 from precision_suite.numerics.metric_table import METRICS
 from synthetic_data import make_run_dataset
 
@@ -229,3 +230,60 @@ def test_save_figure_rejects_unknown_file_types(tmp_path):
     fig = charts.plot_attention_norm({"softmax": make_run_dataset(depth=2)})
     with pytest.raises(ValueError, match=r"\.png, \.svg or \.pdf"):
         charts.save_figure(fig, tmp_path / "chart.jpeg")
+
+
+def _step0_regression(elements_now: int):
+    """A seed ensemble whose activation underflow is zero at step 0 (20-40 elements of 100,000
+    later), and seed 0 rerun with `elements_now` elements underflowing at step 0 of layer 2."""
+    cell = dict(tensor="activation", layout="1x128")
+
+    def zero_at_step0(ds):
+        ds["underflow"].loc[dict(step=0, **cell)] = 0.0
+        return ds
+
+    ensemble = make_ensemble([zero_at_step0(make_run_dataset(seed=s)) for s in (0, 1, 2, 3)],
+                             {metric: space.first_step_floor for metric, space in SPACES.items()})
+    current = zero_at_step0(make_run_dataset(seed=0))
+    numel = int(current["numel"].sel(layer=2, tensor="activation"))
+    current["underflow"].loc[dict(step=0, layer=2, **cell)] = elements_now / numel
+    return current, ensemble, numel
+
+
+def test_a_count_panel_spanning_decades_has_a_symlog_axis_down_to_one_element():
+    current, ensemble, numel = _step0_regression(8)
+    findings = compare_ensemble(current, ensemble)
+    fig = charts.plot_drift(current, ensemble, findings)
+    ax = _data_axes(fig)[0]
+    assert ax.get_title() == "underflow activation 1x128"
+    assert ax.get_yscale() == "symlog"
+    assert ax.yaxis.get_transform().linthresh == pytest.approx(1 / numel)  # zero and 1 element both show
+    assert ax.get_ylim()[0] == 0.0
+
+
+def test_a_fraction_panel_within_a_decade_stays_linear():
+    current, baseline, _ = _planted_regression()  # 3-9% underflow: a linear axis shows it
+    fig = charts.plot_drift(current, baseline, compare(current, baseline))
+    assert _data_axes(fig)[0].get_yscale() == "linear"
+
+
+def test_a_first_point_finding_gets_a_zoom_with_the_member_seed_and_counts_in_elements():
+    current, ensemble, numel = _step0_regression(8)
+    findings = compare_ensemble(current, ensemble)
+    assert [(f.metric, f.where["layer"], f.where["step"]) for f in findings] == [("underflow", 2, 0)]
+    fig = charts.plot_drift(current, ensemble, findings)
+    panel, zoom = _data_axes(fig)
+    assert zoom.get_title() == "first point (step 0), zoomed"
+    assert zoom.get_ylabel() == "elements"
+    labels = [c.get_label() for c in zoom.collections]
+    assert "baseline seed 0 (this run's seed)" in labels and "current" in labels
+    points = {c.get_label(): c.get_offsets()[0][1] for c in zoom.collections}
+    assert points["current"] == pytest.approx(8) and points["baseline seed 0 (this run's seed)"] == 0
+    assert f"8 of {numel:,} elements" in _texts(zoom) and f"0 of {numel:,} elements" in _texts(zoom)
+    low, high = zoom.get_ylim()
+    assert low < 0 and 8 < high < 20  # the step-0 values fill the zoom
+
+
+def test_findings_after_the_first_point_get_no_zoom():
+    current, baseline, _ = _planted_regression()
+    fig = charts.plot_drift(current, baseline, compare(current, baseline))
+    assert len(_data_axes(fig)) == 1

@@ -41,6 +41,12 @@ MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
 # 1.2 MB that no one scrolls through; the rest are named on the chart and listed in the report
 MAX_DRIFT_PANELS = 6
 PNG_COLOURS = 256  # PNGs are stored with a palette: a third of the bytes, no visible change
+# A count panel (fractions of counted elements, NaN/Inf counts) goes logarithmic when its values
+# span this ratio (a decade) or, for fractions, stay below TINY_FRACTION: on a linear axis from
+# zero, 2 elements of 458,752 against none cannot be seen.
+COUNT_DECADE = 10.0
+TINY_FRACTION = 1e-3
+ZOOM_WIDTH = 0.35  # the first-point zoom panel's width, relative to its drift panel
 
 X_LABELS = {"step": "training step", "tokens": "tokens seen", "train_step": "training step"}
 
@@ -172,14 +178,23 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     panels, left_out = every_panel[:MAX_DRIFT_PANELS], every_panel[MAX_DRIFT_PANELS:]
     if band is None:
         band = tolerance_band
-    fig, axes = _new_figure(len(panels) or 1, 1, panel_size=(9.0, 3.6))
+    first_points = [_first_point_findings(panel, current) for panel in panels]
+    # a first-point finding gets a zoom panel beside its drift panel: at the scale of a whole
+    # run a change of a few elements at step 0 is a hair's breadth
+    width_ratios = (1.0, ZOOM_WIDTH) if any(first_points) else (1.0,)
+    fig, axes = _new_figure(len(panels) or 1, len(width_ratios), panel_size=(9.0, 3.6),
+                            width_ratios=width_ratios)
     if not panels:
         ax = axes[0][0]
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no per-metric findings to chart", ha="center", va="center",
                 transform=ax.transAxes)
-    for (ax,), panel in zip(axes, panels):
-        _draw_drift_panel(ax, panel, current, baseline, band)
+    for row, panel, first in zip(axes, panels, first_points):
+        series = _draw_drift_panel(row[0], panel, current, baseline, band)
+        if first:
+            _draw_first_point_zoom(row[1], panel, first, series, current, baseline)
+        elif len(row) > 1:
+            row[1].set_visible(False)
     if left_out:
         names = ", ".join(panel.title for panel in left_out[:4]) + (", ..." if len(left_out) > 4 else "")
         fig.text(0.01, 0.0, f"{len(left_out)} more panel(s) with findings not drawn ({names}); "
@@ -228,12 +243,12 @@ def _save_palette_png(fig: Figure, handle) -> None:
 # --------------------------------------------------------------------------- helpers
 
 
-def _new_figure(rows: int, cols: int, panel_size: tuple[float, float] = PANEL_SIZE
-                ) -> tuple[Figure, list[list[Axes]]]:
-    fig = Figure(figsize=(panel_size[0] * cols, panel_size[1] * rows + 0.8), dpi=DPI,
-                 layout="constrained")
+def _new_figure(rows: int, cols: int, panel_size: tuple[float, float] = PANEL_SIZE,
+                width_ratios: Sequence[float] | None = None) -> tuple[Figure, list[list[Axes]]]:
+    width = panel_size[0] * (sum(width_ratios) if width_ratios else cols)
+    fig = Figure(figsize=(width, panel_size[1] * rows + 0.8), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(rows, cols, squeeze=False)
+    axes = fig.subplots(rows, cols, squeeze=False, width_ratios=width_ratios)
     return fig, [list(row) for row in axes]
 
 
@@ -327,7 +342,8 @@ def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
 
 
 def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
-                      baseline: xr.Dataset | None, band: ToleranceBand) -> None:
+                      baseline: xr.Dataset | None, band: ToleranceBand) -> list[tuple[str, dict]]:
+    """Draw one drift panel; returns the (label, selection) of each series drawn."""
     var = current[panel.metric].sel(dict(panel.fixed))
     x_dim = next((d for d in ("step", "train_step") if d in var.dims), None)
     reference = None
@@ -392,8 +408,121 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
     ax.set_ylabel(_axis_label(panel.metric))
     if panel.metric == "attention_norm":
         ax.set_yscale("log")
+    elif _is_count(panel.metric):
+        _set_count_scale(ax, panel.metric, _numel(current, {**dict(panel.fixed), **series[0][1]}))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return series
+
+
+def _is_count(metric: str) -> bool:
+    """Fractions of counted elements (underflow, zeros_after, overflow) and counts (nonfinite)."""
+    space = METRICS[metric].space if metric in METRICS else None
+    return space is not None and space.kind == "log_count"
+
+
+def _is_fraction(metric: str) -> bool:
+    return METRICS[metric].valid_range == (0.0, 1.0)
+
+
+def _numel(ds: xr.Dataset, where: Mapping[str, object]) -> int | None:
+    """Elements behind one cell, `numel(layer, tensor)` at `where`; None where the dataset has none."""
+    if "numel" not in ds.data_vars:
+        return None
+    numel = ds["numel"]
+    if "seed" in numel.dims:  # a seed ensemble: every seed counts the same elements
+        numel = numel.isel(seed=0, drop=True)
+    if any(dim not in where for dim in numel.dims):  # e.g. a per-module panel, numel per layer
+        return None
+    count = int(numel.sel({dim: where[dim] for dim in numel.dims}))
+    return count if count > 0 else None
+
+
+def _set_count_scale(ax: Axes, metric: str, numel: int | None) -> None:
+    """A symlog y axis for a count panel whose values span decades or, as fractions, are tiny.
+
+    Its linear part ends at one element (1/numel for a fraction, 1 for a count), so zero and a
+    single element are both visible instead of zero falling off a log axis.
+    """
+    values = np.concatenate([np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()])
+    values = values[np.isfinite(values) & (values >= 0)]
+    positive = values[values > 0]
+    if positive.size == 0:
+        return
+    fraction = _is_fraction(metric)
+    one_element = (1.0 / numel if numel else positive.min()) if fraction else 1.0
+    spans_decades = positive.max() / max(values.min(), one_element) >= COUNT_DECADE
+    if spans_decades or (fraction and positive.max() < TINY_FRACTION):
+        ax.set_yscale("symlog", linthresh=one_element, linscale=0.5)
+        ax.set_ylim(bottom=0.0)
+        ax.text(0.99, 0.02, "log axis, linear below one element", transform=ax.transAxes,
+                ha="right", va="bottom", fontsize=7, color="0.4")
+
+
+def _first_point_findings(panel: _DriftPanel, current: xr.Dataset) -> list:
+    """The panel's findings at the run's first sampled point (step 0)."""
+    var = current[panel.metric]
+    x_dim = next((d for d in ("step", "train_step") if d in var.dims), None)
+    if x_dim is None:
+        return []
+    first = var[x_dim].values[0]
+    return [f for f in panel.findings if (f.where or {}).get(x_dim) == first]
+
+
+def _draw_first_point_zoom(ax: Axes, panel: _DriftPanel, findings: Sequence,
+                           series: Sequence[tuple[str, dict]], current: xr.Dataset,
+                           baseline: xr.Dataset | None) -> None:
+    """The first point of each offending series at a scale where its change shows: the current
+    value against the baseline's (the member seed's when the run is one, the other seeds faint),
+    counts annotated as "k of n elements"."""
+    var = current[panel.metric].sel(dict(panel.fixed))
+    x_dim = next(d for d in ("step", "train_step") if d in var.dims)
+    offending = {int(f.where["layer"]) for f in findings if "layer" in f.where}
+    drawn = [(label, where) for label, where in series
+             if not offending or where.get("layer") in offending]
+    reference = None
+    if baseline is not None and panel.metric in baseline.data_vars:
+        reference = baseline[panel.metric].sel(dict(panel.fixed)).isel({x_dim: 0})
+    seed = run_spec(current).get("seed")
+    member = seed if reference is not None and "seed" in reference.dims \
+        and seed in reference["seed"].values else None
+
+    def point(value: float, where: Mapping[str, object]) -> tuple[float, str]:
+        """(y, label) of one value: in elements for a count whose numel is known."""
+        numel = _numel(current, {**dict(panel.fixed), **where}) if _is_count(panel.metric) else None
+        if numel is None:
+            return value, f"{value:.4g}"
+        count = value * numel if _is_fraction(panel.metric) else value
+        return count, f"{count:,.0f} of {numel:,} elements"
+
+    colours = dict(zip((label for label, _ in series), _palette(len(series))))  # the drift panel's
+    for x, (label, where) in enumerate(drawn):
+        colour = colours[label]
+        if reference is not None:
+            ref = reference.sel(where)
+            others = [s for s in ref["seed"].values if s != member] if "seed" in ref.dims else []
+            ys = [point(float(ref.sel(seed=s)), where)[0] for s in others]
+            ax.scatter([x] * len(ys), ys, s=18, color=colour, alpha=0.35,
+                       label="other baseline seeds" if x == 0 and ys else None)
+            if "seed" not in ref.dims or member is not None:
+                ref_y, ref_text = point(float(ref.sel(seed=member) if member is not None else ref), where)
+                ref_label = f"baseline seed {member} (this run's seed)" if member is not None else "baseline"
+                ax.scatter([x], [ref_y], s=90, facecolors="none", edgecolors=colour, linewidths=1.8,
+                           label=ref_label if x == 0 else None)
+                ax.annotate(ref_text, (x, ref_y), xytext=(8, -10), textcoords="offset points",
+                            fontsize=8, color="0.3")
+        cur_y, cur_text = point(float(var.sel(where).isel({x_dim: 0})), where)
+        ax.scatter([x], [cur_y], s=60, marker="X", color="tab:red", zorder=5,
+                   label="current" if x == 0 else None)
+        ax.annotate(cur_text, (x, cur_y), xytext=(8, 4), textcoords="offset points", fontsize=8,
+                    color="tab:red")
+    ax.set_xticks(range(len(drawn)), [label for label, _ in drawn])
+    ax.margins(x=0.6, y=0.3)
+    counted = _is_count(panel.metric) and _numel(current, {**dict(panel.fixed), **drawn[0][1]})
+    ax.set_ylabel("elements" if counted else _axis_label(panel.metric))
+    ax.set_title(f"first point ({x_dim} {var[x_dim].values[0]}), zoomed", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, frameon=False)
 
 
 def _axis_label(metric: str) -> str:
