@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     baseline_commands = baseline.add_subparsers(title="baseline commands", metavar="ACTION")
     update = baseline_commands.add_parser(
         "update", help="train the selection and (over)write its baselines",
-        description="Train each selected case's seed ensemble (and the rounding perturbations "
-                    "of its first step) and write its baseline atomically; unchanged numbers "
+        description="Train each selected case's seed ensemble (and the first step of its first "
+                    "seed under each rounding twin) and write its baseline atomically; unchanged numbers "
                     "leave the file untouched. Review the change (git diff --stat baselines/) "
                     "before committing it.")
     _add_selection(update)
@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = commands.add_parser(
         "calibrate", help="measure false alarms and the smallest detected change on this machine",
-        description="Run every selected case under perturbations that must not fail it (2 threads, "
-                    "eager PRECISION_SUITE_COMPILE=0, held-out seeds), judge each against its "
+        description="Run every selected case under perturbations that must not fail it (this "
+                    "host's rounding twins: ATen's narrower kernels, MKL's compatible path, 2 threads, "
+                    "eager; held-out seeds), judge each against its "
                     "baseline ensemble, judge each baseline seed against the others (no training), "
                     "and print per metric the false alarms seen and the "
                     "smallest change the comparison detects. Run it once on your CI runners.")

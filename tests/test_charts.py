@@ -242,7 +242,9 @@ def _step0_regression(elements_now: int):
         return ds
 
     ensemble = make_ensemble([zero_at_step0(make_run_dataset(seed=s)) for s in (0, 1, 2, 3)],
-                             {metric: space.first_step_floor for metric, space in SPACES.items()})
+                             {metric: space.first_step_floor for metric, space in SPACES.items()
+                              if space.kind != "log_count"},
+                             {metric: 0.0 for metric, space in SPACES.items() if space.kind == "log_count"})
     current = zero_at_step0(make_run_dataset(seed=0))
     numel = int(current["numel"].sel(layer=2, tensor="activation"))
     current["underflow"].loc[dict(step=0, layer=2, **cell)] = elements_now / numel

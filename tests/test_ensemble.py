@@ -6,6 +6,8 @@ is checked on both sides: the unchanged case passes, the change fails.
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import numpy as np
@@ -13,16 +15,23 @@ import pytest
 
 from precision_suite import cli
 from precision_suite.verdicts.baselines import BaselineError, load_ensemble, save_baseline
-from precision_suite.verdicts.ensemble import SPACES, EnsembleError, compare_ensemble, leave_one_out, make_ensemble
+from precision_suite.verdicts.ensemble import (FIRST_STEP_FLIPS, FIRST_STEP_SAFETY, SPACES, EnsembleError,
+                                              compare_ensemble, count_allowance, first_step_count_noise,
+                                              first_step_tolerance, leave_one_out, make_ensemble)
 from synthetic_data import make_run_dataset
 
 SEEDS = (0, 1, 2, 3)
 CELL = dict(layer=1, tensor="gradient", layout="1x128")
 
 
+# the rounding noise of a machine whose twins moved nothing: the floors, and counts by FIRST_STEP_FLIPS
+FLOORS = {metric: space.first_step_floor for metric, space in SPACES.items() if space.kind != "log_count"}
+NO_COUNT_NOISE = {metric: 0.0 for metric, space in SPACES.items() if space.kind == "log_count"}
+
+
 def ensemble_of(seeds=SEEDS, **kwargs):
     runs = [make_run_dataset(seed=s, **kwargs) for s in seeds]
-    return make_ensemble(runs, {metric: space.first_step_floor for metric, space in SPACES.items()})
+    return make_ensemble(runs, FLOORS, NO_COUNT_NOISE)
 
 
 def kinds(findings):
@@ -52,7 +61,7 @@ def test_a_fourfold_fraction_change_is_visible_at_any_level(level):
         ds["underflow"].loc[CELL] = level * factor * (1 + 0.1 * rng.standard_normal(ds.sizes["step"]))
         return ds
 
-    ensemble = make_ensemble([run(s) for s in SEEDS], {m: s.first_step_floor for m, s in SPACES.items()})
+    ensemble = make_ensemble([run(s) for s in SEEDS], FLOORS, NO_COUNT_NOISE)
     assert compare_ensemble(run(7), ensemble) == []
     found = compare_ensemble(run(7, factor=4.0), ensemble)
     assert ("regression", "underflow") in kinds(found)
@@ -93,6 +102,46 @@ def test_rounding_sized_change_at_the_first_point_passes():
     assert compare_ensemble(current, ensemble) == []
 
 
+def first_point_count(ds, cell=CELL, metric="underflow"):
+    numel = float(ds["numel"].sel(layer=cell["layer"], tensor=cell["tensor"]))
+    return float(ds[metric].sel(step=0, **cell)) * numel, numel
+
+
+@pytest.mark.parametrize("count_noise", [0.0, 0.5, 3.0])
+def test_a_first_point_count_moves_within_the_twins_allowance_and_fails_beyond_it(count_noise):
+    """The count model: a count may move by max(FIRST_STEP_FLIPS, SAFETY k sqrt(count + 1))
+    elements by rounding alone, whatever the count, in either direction."""
+    runs = [make_run_dataset(seed=s) for s in SEEDS]
+    ensemble = make_ensemble(runs, FLOORS, {**NO_COUNT_NOISE, "underflow": count_noise})
+    count, numel = first_point_count(runs[1])
+    allowed = count_allowance(count_noise, count)
+    assert allowed == max(FIRST_STEP_FLIPS, FIRST_STEP_SAFETY * count_noise * math.sqrt(count + 1))
+    for elements, fails in [(math.floor(allowed), False), (math.floor(allowed) + 1, True)]:
+        for sign in (1, -1):
+            if count + sign * elements < 0:
+                continue
+            current = make_run_dataset(seed=1)
+            current["underflow"].loc[dict(step=0, **CELL)] = (count + sign * elements) / numel
+            found = [f for f in compare_ensemble(current, ensemble)
+                     if f.metric == "underflow" and f.where.get("step") == 0]
+            assert bool(found) == fails, (elements, sign, allowed)
+            if fails:
+                assert f"of {numel:,.0f} elements against {count:,.0f} in seed 1" in found[0].message
+                assert f"allow ±{allowed:,.1f}" in found[0].message
+
+
+def test_count_noise_is_the_largest_twin_change_per_sqrt_count():
+    reference = make_run_dataset(seed=0)
+    twin = make_run_dataset(seed=0)
+    count, numel = first_point_count(reference)
+    twin["underflow"].loc[dict(step=0, **CELL)] = (count + 6) / numel
+    noise = first_step_count_noise([reference], [twin])
+    assert noise["underflow"] == pytest.approx(6 / math.sqrt(count + 1))
+    assert noise["overflow"] == 0.0 and "distortion" not in noise
+    tolerance = first_step_tolerance([reference], [twin])
+    assert "underflow" not in tolerance and tolerance["distortion"] == SPACES["distortion"].first_step_floor
+
+
 def test_a_new_nan_is_a_regression():
     ensemble = ensemble_of()
     current = make_run_dataset(seed=9)
@@ -116,7 +165,7 @@ def test_old_single_run_and_one_seed_baselines_are_clear_errors(tmp_path):
     with pytest.raises(BaselineError, match="holds 1 seed; an ensemble needs at least 2"):
         load_ensemble(path)
     with pytest.raises(ValueError, match="at least 2 distinct seeds"):
-        make_ensemble([make_run_dataset(seed=0)] * 2, {})
+        make_ensemble([make_run_dataset(seed=0)] * 2, {}, {})
 
 
 def test_a_seed_that_is_not_an_integer_is_a_usage_error(capsys):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import pytest
 import xarray as xr
@@ -11,6 +13,7 @@ import xarray as xr
 from precision_suite.jobs import execution
 from precision_suite.training import matrix, runs
 from precision_suite.jobs.execution import Task
+from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training.runs import RunSpec
 
 
@@ -49,3 +52,29 @@ def test_a_pool_returns_a_serial_runs_datasets_in_task_order_whatever_order_they
     assert sorted(finished) == [0, 1]
     for task, ds in zip(tasks, pooled):
         xr.testing.assert_identical(ds, runs.run(task.spec))
+
+
+def test_a_setting_read_when_torch_loads_gets_a_fresh_process_and_takes_effect():
+    tiny = RunSpec(model="vit", steps=1, depth=1)
+    ds, = execution.run_tasks([Task(tiny, env={"ATEN_CPU_CAPABILITY": "default"})])
+    assert json.loads(ds.attrs["fingerprint"])["cpu_capability"] == "DEFAULT"
+    assert "ATEN_CPU_CAPABILITY" not in os.environ  # set in the child only
+
+
+def test_a_bad_spec_in_a_fresh_process_is_the_same_error_as_in_this_one():
+    with pytest.raises(ValueError, match=r"^unknown attention 'nope'; known: "):
+        execution.run_tasks([Task(RunSpec(model="vit", attention="nope", steps=1),
+                                  env={"ATEN_CPU_CAPABILITY": "default"})])
+
+
+@pytest.mark.parametrize("capability, isa_twins", [
+    ("AVX512", [{"ATEN_CPU_CAPABILITY": "default"}, {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+                {"MKL_CBWR": "COMPATIBLE"}]),
+    ("AVX2", [{"ATEN_CPU_CAPABILITY": "default"}, {"MKL_CBWR": "COMPATIBLE"}]),
+    ("SVE256", [{"ATEN_CPU_CAPABILITY": "default"}]),  # not x86: no MKL, no x86 widths
+])
+def test_rounding_twins_are_every_narrower_kernel_level_of_the_host(capability, isa_twins):
+    twins = rounding_twins(capability)
+    assert [dict(t.env) for t in twins if execution.PROCESS_START_ENV & set(t.env)] == isa_twins
+    assert {"threads": 2} in [dict(t.spec_changes) for t in twins]
+    assert {"PRECISION_SUITE_COMPILE": "0"} in [dict(t.env) for t in twins]

@@ -1,5 +1,5 @@
-"""Baseline regeneration: train each spec's seed ensemble (and the rounding perturbations of its
-first step) and write the baselines that changed. Used by `precision-suite baseline update` and
+"""Baseline regeneration: train each spec's seed ensemble (and the first step of its first seed
+under each rounding twin) and write the baselines that changed. Used by `precision-suite baseline update` and
 by the plugin's --precision-regen; reading, writing and comparing the files is verdicts.baselines.
 """
 
@@ -11,23 +11,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from precision_suite.jobs.execution import Done, Task, run_tasks
+from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.baselines import baseline_path, build_ensemble, update_baseline
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, ROUNDING_PERTURBATIONS
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
 
 
 def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Task]:
-    """The runs that make `spec`'s baseline: one per ensemble seed, and per seed its first step
-    under each rounding-only perturbation (which calibrates the first-point tolerance)."""
+    """The runs that make `spec`'s baseline: one per ensemble seed, then the first step of the
+    first seed under each rounding twin (which measures the first-point tolerance). One seed's
+    twins suffice: the tolerance is the largest difference over hundreds of series, and each
+    twin that needs a fresh process costs seconds of start-up."""
     seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
     case = case_id(spec)  # a first-step twin is another case by its own id: progress names this one
     tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}") for seed in seeds]
-    for perturbation in ROUNDING_PERTURBATIONS:
-        changes = {k: v for k, v in perturbation.items() if k != "env"}
-        for seed in seeds:
-            twin = dataclasses.replace(spec, seed=seed, steps=1, **changes)
-            tasks.append(Task(twin, env=perturbation.get("env", {}),
-                              label=f"{case} seed {seed} first step, {perturbation}"))
+    for twin in rounding_twins():
+        first_step = dataclasses.replace(spec, seed=seeds[0], steps=1, **twin.spec_changes)
+        tasks.append(Task(first_step, env=twin.env, label=f"{case} seed {seeds[0]} first step, {twin.name}"))
     return tasks
 
 

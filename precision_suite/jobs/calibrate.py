@@ -1,5 +1,5 @@
-"""Calibration runs: every selected case under perturbations that must not fail it (2 threads,
-eager PRECISION_SUITE_COMPILE=0, held-out seeds), judged against its baseline ensemble, and every
+"""Calibration runs: every selected case under perturbations that must not fail it (its host's
+rounding twins, `jobs.twins`, and held-out seeds), judged against its baseline ensemble, and every
 baseline seed judged against the others; the false alarms counted per metric are written beside
 the baselines (verdicts.calibration states them in every later report)."""
 
@@ -22,6 +22,7 @@ from precision_suite.jobs.train import describe, placement, run_tasks
 from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
 from precision_suite.reports import reports
 from precision_suite.training.runs import case_id
+from precision_suite.jobs.twins import rounding_twins
 from precision_suite.verdicts import calibration, ensemble
 from precision_suite.verdicts.findings import CaseVerdict
 
@@ -36,8 +37,7 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     references = {case_id(s): judging.load_reference(baseline_dir, case_id(s), s.to_json(),
                                                      regen_command(selection, baseline_dir, case_id(s)))
                   for s in specs}
-    perturbations = [("threads=2", {"threads": 2}, {}),
-                     ("PRECISION_SUITE_COMPILE=0", {}, {"PRECISION_SUITE_COMPILE": "0"})]
+    perturbations = [(twin.name, twin.spec_changes, twin.env) for twin in rounding_twins()]
     perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in held_out_seeds]
     runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{case_id(spec)} {label}"))
                      for spec in specs for label, changes, env in perturbations]

@@ -1,7 +1,9 @@
 """Where runs execute: one function for every command that trains several runs.
 
 `run_tasks(tasks, workers, scheduler=...)` trains each `Task` (a RunSpec plus environment variables
-such as PRECISION_SUITE_COMPILE=0) serially in this process (workers=1), in a pool of spawned
+such as PRECISION_SUITE_COMPILE=0; a variable that a library reads once, when it starts, such as
+ATEN_CPU_CAPABILITY, makes its run go to a fresh interpreter) serially in this process
+(workers=1), in a pool of spawned
 worker processes, or, given the address of a Dask scheduler (`tcp://HOST:PORT`, the optional
 `dask` extra), as one Dask task each on that cluster's workers. In a pool or on Dask the runs
 estimated longest start first (`longest_first`). Results come back in task order and are
@@ -20,13 +22,20 @@ import math
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from precision_suite.files import load_dataset
+from precision_suite.jobs.usage import EXIT_USAGE
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -39,6 +48,10 @@ _SCHEDULER_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-
 
 Done = Callable[[int, "Task", float], None]
 FORWARDED_ENV_PREFIX = "PRECISION_SUITE_"
+# Read by ATen, MKL, oneDNN or OpenMP once, when they load: a run that sets one needs a process of
+# its own, since setting it around a run in a process that has loaded torch changes nothing.
+PROCESS_START_ENV = frozenset({"ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
+                               "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS"})
 
 
 @dataclass(frozen=True)
@@ -70,10 +83,29 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def run_task(task: Task) -> xr.Dataset:
+    if PROCESS_START_ENV & set(task.env):
+        return _run_in_fresh_process(task)
     from precision_suite.training import runs  # lazy: torch loads with a run, not with --help
 
     with _environment(task.env):
         return runs.run(task.spec)
+
+
+def _run_in_fresh_process(task: Task) -> xr.Dataset:
+    """`task` trained by a new interpreter (`python -m precision_suite.jobs.fresh_run`) started
+    with the task's environment; its dataset comes back through a netCDF file."""
+    with tempfile.TemporaryDirectory(prefix="precision-suite-run-") as folder:
+        out = Path(folder) / "run.nc"
+        done = subprocess.run([sys.executable, "-m", "precision_suite.jobs.fresh_run", str(out)],
+                              input=task.spec.to_json(), text=True, capture_output=True,
+                              env={**os.environ, **task.env})
+        if done.returncode == EXIT_USAGE:  # a bad spec: the same error as in this process
+            raise ValueError(done.stderr.strip())
+        if done.returncode != 0:
+            settings = " ".join(f"{k}={v}" for k, v in task.env.items())
+            raise RuntimeError(f"the run of {task.label or task.spec} in a fresh process ({settings}) "
+                               f"failed: {done.stderr.strip()[-2000:]}")
+        return load_dataset(out)
 
 
 # A run sets process-wide state (torch's thread count, os.environ), so a Dask worker started with

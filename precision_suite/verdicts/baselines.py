@@ -25,7 +25,8 @@ import xarray as xr
 
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
 from precision_suite.numerics.metric_table import METRICS
-from precision_suite.verdicts.ensemble import EnsembleError, check_ensemble, first_step_tolerance, make_ensemble
+from precision_suite.verdicts.ensemble import (EnsembleError, check_ensemble, first_step_count_noise,
+                                              first_step_tolerance, make_ensemble)
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
@@ -463,4 +464,4 @@ def _error(case: str, metric: str, message: str) -> Finding:
 def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int) -> xr.Dataset:
     """The ensemble baseline from the results of `jobs.baselines.ensemble_tasks` (in their order)."""
     runs, twins = list(results[:n_seeds]), list(results[n_seeds:])
-    return make_ensemble(runs, first_step_tolerance(runs, twins))
+    return make_ensemble(runs, first_step_tolerance(runs, twins), first_step_count_noise(runs, twins))

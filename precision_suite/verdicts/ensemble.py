@@ -6,11 +6,14 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
 
 - **first point** (sampled step 0, training step 0) of a seed the ensemble holds: the seeded
   initialisation, deterministic up to rounding. It must match that member within the rounding
-  tolerance calibrated when the baseline was made (threads 1 vs 2, compiled vs eager), plus a
-  count floor for fractions. Beyond it, a change in *either* direction fails: the computation
-  itself changed, and the author regenerates on purpose. For fractions the floor is a few
-  elements plus a few percent of the count (`FIRST_STEP_FLIPS`): rounding moves only the elements
-  that sit on a quantization boundary.
+  noise measured when the baseline was made from its rounding twins: the same first step under
+  every setting that changes only how kernels round (`jobs.twins`: ATen's unvectorized and
+  narrower vector kernels, MKL's compatible path, 2 threads, eager), which is what another host
+  changes too. Beyond it, a change in *either* direction fails: the computation itself changed,
+  and the author regenerates on purpose. Counts (fractions times their elements) get a count
+  model, since the elements that rounding moves sit on a quantization boundary, the more of them
+  the more are counted: a count may move by `FIRST_STEP_SAFETY * k * sqrt(count + 1)` elements,
+  `k` the largest such change the twins made in the case (at least `FIRST_STEP_FLIPS`).
 - **trained points** (and every point of a seed outside the ensemble): against the ensemble's
   spread, per series (metric x layer x tensor x layout) in the metric's own space (`SPACES`).
   Each point's z is its distance from the K-seed mean in spreads; the variance of a point is the
@@ -35,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
@@ -52,14 +55,11 @@ from precision_suite.numerics.metric_table import COMPARED, METRICS, Space
 ENSEMBLE_SEEDS = (0, 1, 2, 3)
 FALSE_ALARM_RATE = DESIGN_FALSE_ALARM_RATE  # per case, Bonferroni over its series
 MEDIAN_MARKOV = 2  # P(median of T points beyond c) <= 2 P(one point beyond c): see trained_threshold
-# Perturbations that change only rounding, run at regeneration on the first step of each seed.
-ROUNDING_PERTURBATIONS = ({"threads": 2}, {"env": {"PRECISION_SUITE_COMPILE": "0"}})
-FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference measured
+FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference the twins made
 # At the first point the same elements are quantized on every machine; rounding moves a few of them
-# across the zero (or saturation) boundary. A count may change by this many elements plus this
-# fraction of itself (the count-aware floor; sampling noise between seeds does not apply here).
+# across the zero (or saturation) boundary: a count may always move by this many elements.
 FIRST_STEP_FLIPS = 2.0
-FIRST_STEP_FLIP_FRACTION = 0.05
+ENSEMBLE_ATTRS = ("ensemble_seeds", "first_step_tolerance", "first_step_count_noise")
 DETECTABLE_MIN_COUNT = 10  # detectable_change reports count series from this many elements up
 
 
@@ -127,7 +127,8 @@ def ensemble_seeds(ds: xr.Dataset) -> list[int]:
     return [int(s) for s in ds["seed"].values] if "seed" in ds.dims else []
 
 
-def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str, float]) -> xr.Dataset:
+def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str, float],
+                  first_step_count_noise: Mapping[str, float]) -> xr.Dataset:
     """K runs of one case (one per seed) as one dataset with a `seed` dimension."""
     seeds = [int(json.loads(r.attrs["spec"])["seed"]) for r in runs]
     if len(set(seeds)) != len(seeds) or len(seeds) < 2:
@@ -139,28 +140,60 @@ def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str,
     ds.attrs["spec"] = json.dumps(spec, sort_keys=True)
     ds.attrs["ensemble_seeds"] = json.dumps(seeds)
     ds.attrs["first_step_tolerance"] = json.dumps(dict(first_step_tolerance), sort_keys=True)
+    ds.attrs["first_step_count_noise"] = json.dumps(dict(first_step_count_noise), sort_keys=True)
     return ds
 
 
-def first_step_tolerance(references: Sequence[xr.Dataset], perturbed: Sequence[xr.Dataset]) -> dict[str, float]:
-    """Per metric, FIRST_STEP_SAFETY x the largest first-point difference (in the metric's space)
-    between each run and its rounding-perturbed twin (same seed), floored by the metric's
-    `first_step_floor`. Count noise is added per series when judging, not here."""
+def first_step_tolerance(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
+    """Per metric that is not a count, FIRST_STEP_SAFETY x the largest first-point difference (in
+    the metric's space) between a run and its rounding twin (same seed), floored by the metric's
+    `first_step_floor`."""
+    largest = {metric: 0.0 for metric in SPACES if SPACES[metric].kind != "log_count"}
+    for reference, twin, metric in _twin_pairs(references, twins, list(largest)):
+        a, b = _first_point(reference, metric), _first_point(twin, metric)
+        d = np.abs(transform(metric, a) - transform(metric, b))
+        d = d[np.isfinite(d)]
+        if d.size:
+            largest[metric] = max(largest[metric], float(d.max()))
+    return {metric: max(FIRST_STEP_SAFETY * value, SPACES[metric].first_step_floor)
+            for metric, value in largest.items()}
+
+
+def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
+    """Per count metric, the largest `|count_twin - count| / sqrt(count + 1)` at the first point
+    over every series and rounding twin: the `k` of the count model (module docstring)."""
+    counts = [metric for metric in SPACES if SPACES[metric].kind == "log_count"]
+    largest = {metric: 0.0 for metric in counts}
+    for reference, twin, metric in _twin_pairs(references, twins, counts):
+        c = first_point_counts(reference, metric)
+        d = np.abs(first_point_counts(twin, metric, numel_from=reference) - c) / np.sqrt(np.abs(c) + 1.0)
+        d = d[np.isfinite(d)]
+        if d.size:
+            largest[metric] = max(largest[metric], float(d.max()))
+    return largest
+
+
+def _twin_pairs(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset],
+                metrics: Sequence[str]) -> Iterator[tuple[xr.Dataset, xr.Dataset, str]]:
     by_seed = {int(json.loads(r.attrs["spec"])["seed"]): r for r in references}
-    largest = {metric: 0.0 for metric in SPACES}
-    for twin in perturbed:
+    for twin in twins:
         reference = by_seed[int(json.loads(twin.attrs["spec"])["seed"])]
-        for metric in SPACES:
-            if metric not in reference.data_vars:
-                continue
-            a, b = _first_point(reference, metric), _first_point(twin, metric)
-            numel = _numel(reference, reference[metric].isel({_time_dim(reference[metric]): 0}))
-            d = np.abs(transform(metric, a, numel) - transform(metric, b, numel))
-            d = d[np.isfinite(d)]
-            if d.size:
-                largest[metric] = max(largest[metric], float(d.max()))
-    return {metric: max(FIRST_STEP_SAFETY * largest[metric], SPACES[metric].first_step_floor)
-            for metric in SPACES}
+        for metric in metrics:
+            if metric in reference.data_vars and metric in twin.data_vars:
+                yield reference, twin, metric
+
+
+def first_point_counts(ds: xr.Dataset, metric: str, numel_from: xr.Dataset | None = None) -> np.ndarray:
+    """The first point of a count metric as a number of elements (a fraction times the elements
+    it counts; `nonfinite` is a count already)."""
+    values = _first_point(ds, metric)
+    numel = _numel(ds if numel_from is None else numel_from, ds[metric].isel({_time_dim(ds[metric]): 0}))
+    return values if numel is None else values * numel
+
+
+def count_allowance(count_noise: float, count: np.ndarray | float) -> np.ndarray | float:
+    """How many elements a first-point count may move by rounding alone (module docstring)."""
+    return np.maximum(FIRST_STEP_FLIPS, FIRST_STEP_SAFETY * count_noise * np.sqrt(np.abs(count) + 1.0))
 
 
 def _time_dim(da: xr.DataArray) -> str:
@@ -196,7 +229,7 @@ def leave_one_out(ensemble: xr.Dataset) -> list[tuple[int, xr.Dataset, xr.Datase
         others = ensemble.sel(seed=rest).assign_attrs(ensemble_seeds=json.dumps(rest))
         member = ensemble.sel(seed=seed, drop=True).assign_attrs(spec=json.dumps({**spec, "seed": seed},
                                                                                  sort_keys=True))
-        for name in ("ensemble_seeds", "first_step_tolerance"):
+        for name in ENSEMBLE_ATTRS:
             member.attrs.pop(name, None)
         out.append((seed, member, others))
     return out
@@ -212,8 +245,10 @@ def check_ensemble(ds: xr.Dataset, path: object = "baseline") -> None:
     if ds.sizes["seed"] < 2:
         raise EnsembleError(f"{path} holds {ds.sizes['seed']} seed; an ensemble needs at least 2 "
                             "to measure the spread between seeds")
-    if "first_step_tolerance" not in ds.attrs:
-        raise EnsembleError(f"{path} lacks the first_step_tolerance attribute")
+    missing = [name for name in ENSEMBLE_ATTRS if name not in ds.attrs]
+    if missing:  # first_step_count_noise: baselines made before the rounding twins
+        raise EnsembleError(f"{path} lacks the {' and '.join(missing)} attribute(s) (made by an older "
+                            "version, before its rounding twins were measured)")
 
 
 @dataclass
@@ -229,6 +264,7 @@ class _Series:
     cur_values: np.ndarray
     ens_values: np.ndarray
     pool: np.ndarray  # (G,) pool index: same metric, tensor and layout
+    numel: np.ndarray | None  # (G, T) elements behind each point of a fraction; None: not one
 
 
 def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series | None:
@@ -257,7 +293,7 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
         key = tuple((d, v) for d, v in where.items() if d != "layer")
         pool[g] = pool_keys.setdefault(key, len(pool_keys))
     return _Series(metric, groups, [to_python(t) for t in cur[time_dim].values], time_dim,
-                   transform(metric, e, numel), transform(metric, c, numel), c, e, pool)
+                   transform(metric, e, numel), transform(metric, c, numel), c, e, pool, numel)
 
 
 def _n_statistics(all_series: Sequence[_Series]) -> int:
@@ -282,7 +318,8 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     seeds = ensemble_seeds(ensemble)
     seed = json.loads(current.attrs.get("spec", "{}")).get("seed")
     member = seeds.index(seed) if seed in seeds else None
-    tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
+    tol0 = {**json.loads(ensemble.attrs["first_step_tolerance"]),
+            **json.loads(ensemble.attrs["first_step_count_noise"])}  # disjoint: counts and the rest
     all_series = _all_series(current, ensemble)
     z_crit = trained_threshold(_n_statistics(all_series), rate)
     findings: list[Finding] = []
@@ -325,7 +362,6 @@ def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: float, z_crit: float,
                   k: int, regen_hint: str) -> list[Finding]:
-    space = SPACES[s.metric]
     sign = bad_sign(s.metric)
     first_trained = 1 if member is not None else 0
     mean, sd = spread(s, 1)
@@ -342,18 +378,8 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
                                      "non-finite where every seed of the baseline is finite"))
             continue
         if member is not None and s.ens_y.shape[2] > 0:
-            ref = s.ens_y[member, g, 0]
-            d = cur_y[0] - ref
-            allowed = tol0
-            if space.kind == "log_count" and np.isfinite(ref):
-                allowed += _count_floor(ref)
-            if np.isfinite(d) and abs(d) > allowed:
-                findings.append(_finding(
-                    case, "regression", s, where, 0, g, d, allowed,
-                    f"first point changed beyond rounding ({_y_change(space, d)}, rounding "
-                    f"tolerance {_y_change(space, allowed, signed=False)}) against seed {seed} of "
-                    f"the baseline: the computation itself changed; if intended, regenerate"
-                    + (f" with: {regen_hint}" if regen_hint else ""), member_seed=seed))
+            if (first := _first_point_finding(case, s, g, where, member, seed, tol0, regen_hint)) is not None:
+                findings.append(first)
         z = sign * (cur_y - mean[g]) / sd[g]
         points = np.flatnonzero(np.isfinite(z))
         points = points[points >= first_trained]
@@ -374,10 +400,29 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
     return findings
 
 
-def _count_floor(ref_y: float) -> float:
-    """The first point's count floor in log-count space, around a reference ln(count + 1/2)."""
-    count = math.exp(ref_y) - 0.5
-    return math.log((count + 0.5 + FIRST_STEP_FLIPS + FIRST_STEP_FLIP_FRACTION * count) / (count + 0.5))
+def _first_point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any], member: int, seed: Any,
+                         tol0: float, regen_hint: str) -> Finding | None:
+    """A regression if the first point moved beyond rounding from the member of the run's seed:
+    counts by the count model in elements, every other metric by `tol0` in its space."""
+    space = SPACES[s.metric]
+    hint = "the computation itself changed; if intended, regenerate" + (f" with: {regen_hint}" if regen_hint else "")
+    if space.kind == "log_count":
+        numel = 1.0 if s.numel is None else float(s.numel[g, 0])
+        ref, cur = s.ens_values[member, g, 0] * numel, s.cur_values[g, 0] * numel
+        allowed = float(count_allowance(tol0, ref))
+        if not (np.isfinite(ref) and np.isfinite(cur)) or abs(cur - ref) <= allowed:
+            return None
+        of = "" if s.numel is None else f" of {numel:,.0f}"
+        detail = (f"first point changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in seed "
+                  f"{seed} of the baseline, {cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
+        return _finding(case, "regression", s, where, 0, g,
+                        cur - ref, allowed, detail, member_seed=seed)
+    d = s.cur_y[g, 0] - s.ens_y[member, g, 0]
+    if not np.isfinite(d) or abs(d) <= tol0:
+        return None
+    detail = (f"first point changed beyond rounding ({_y_change(space, d)}, rounding tolerance "
+              f"{_y_change(space, tol0, signed=False)}) against seed {seed} of the baseline: {hint}")
+    return _finding(case, "regression", s, where, 0, g, d, tol0, detail, member_seed=seed)
 
 
 def _y_change(space: Space, d: float, signed: bool = True) -> str:
@@ -430,6 +475,7 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
     series that count at least DETECTABLE_MIN_COUNT elements: below that, count noise alone
     hides any factor (a series of zeros has no change to detect)."""
     tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
+    count_noise = json.loads(ensemble.attrs["first_step_count_noise"])
     all_series = _all_series(current, ensemble)
     z = trained_threshold(_n_statistics(all_series))
     out = {}
@@ -445,8 +491,11 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
             text = f"{_y_change(space, z * float(np.nanmedian(trained)), signed=False)}{where}"
         else:
             text = f"no series counts {DETECTABLE_MIN_COUNT} elements"
-        out[s.metric] = (f"trained points: {text} ({z:.1f} spreads); first point: "
-                         f"{_y_change(space, float(tol0.get(s.metric, 0.0)), signed=False)}"
-                         + (f" + {FIRST_STEP_FLIPS:g} elements + {FIRST_STEP_FLIP_FRACTION:.0%} of the count"
-                            if space.kind == "log_count" else ""))
+        if space.kind == "log_count":
+            k = float(count_noise.get(s.metric, 0.0))
+            first = (f"±max({FIRST_STEP_FLIPS:g}, {FIRST_STEP_SAFETY * k:.3g} x sqrt(count + 1)) elements "
+                     f"(1 element: ±{float(count_allowance(k, 1.0)):.3g}; 10^4: ±{float(count_allowance(k, 1e4)):.3g})")
+        else:
+            first = _y_change(space, float(tol0.get(s.metric, 0.0)), signed=False)
+        out[s.metric] = f"trained points: {text} ({z:.1f} spreads); first point: {first}"
     return out
