@@ -50,6 +50,7 @@ _EXPORTS = {
     "RunSpec": "training.runs",
     "run": "training.runs",
     "case_id": "training.runs",
+    "KnownViolation": "training.matrix",
 }
 
 __all__ = ["__version__", *_EXPORTS]
