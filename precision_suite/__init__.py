@@ -10,17 +10,24 @@ import importlib
 import os
 from typing import Any
 
+from precision_suite.numerics import kernel_cache
 from precision_suite.version import __version__
 
 
 def use_project_cache() -> None:
     """Keep inductor's caches under $PRECISION_SUITE_CACHE_DIR (default ~/.cache/precision-suite),
-    unless TORCHINDUCTOR_CACHE_DIR says where: compiled kernels then outlive /tmp and one process,
-    so a fresh process loads its graphs instead of compiling them (tests/test_compile_cache.py)."""
+    in `inductor/<hash>`, a folder per compile environment (numerics.kernel_cache): compiled kernels
+    then outlive /tmp and one process, so a fresh process loads its graphs instead of compiling
+    them, and never one compiled for another CPU capability or compiler (tests/test_compile_cache.py).
+    A TORCHINDUCTOR_CACHE_DIR set by the user wins, as is: the user then owns its key."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        try:
+            folder = kernel_cache.keyed_cache_dir(os.path.join(root, "inductor"), kernel_cache.compile_environment())
+        except OSError:  # an unwritable cache: inductor keeps its per-process default
+            return
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
 # At import of the package, before any inductor code runs in this process: inductor's first
@@ -50,6 +57,7 @@ _EXPORTS = {
     "RunSpec": "training.runs",
     "run": "training.runs",
     "case_id": "training.runs",
+    "KnownViolation": "training.matrix",
 }
 
 __all__ = ["__version__", *_EXPORTS]

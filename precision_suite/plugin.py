@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import xarray as xr
 
     from precision_suite.verdicts.checks import CaseVerdict, Finding, ProjectConfig
+    from precision_suite.training.matrix import KnownViolation
     from precision_suite.training.runs import RunSpec
 
 CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
@@ -189,16 +190,18 @@ def precision_run(pytestconfig: pytest.Config) -> RunCache:
 
 @pytest.fixture
 def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> Callable[..., CaseVerdict]:
-    """`precision_check(spec_or_dataset, rules=None, tolerances=None, known_violation="") -> CaseVerdict`.
+    """`precision_check(spec_or_dataset, rules=None, tolerances=None, known_violation=None) -> CaseVerdict`.
 
     Runs the spec (cached) or takes the dataset, compares it with its golden baseline (or writes
     the baseline under --precision-regen), checks the project's rules and `rules`, charts a
     failing or drifting case, and fails the test on a regression, violated rule or error.
+    `known_violation`: one or more `KnownViolation`s, each excusing the threshold findings it names.
     """
     settings = request.config.stash[SETTINGS_KEY]
 
     def check(spec_or_dataset: Any, rules: Iterable[Any] | None = None,
-              tolerances: Mapping[str, Any] | None = None, known_violation: str = "") -> CaseVerdict:
+              tolerances: Mapping[str, Any] | None = None,
+              known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
         return _check_case(request.node, settings, precision_run, spec_or_dataset, rules, tolerances,
                            known_violation)
 
@@ -210,7 +213,7 @@ def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> 
 
 def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
                 rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
-                known_violation: str = "") -> CaseVerdict:
+                known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
     # lazy: xarray, torch and matplotlib load with the first precision check, not with pytest
     import xarray as xr
 
@@ -222,6 +225,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     try:
         project = settings.project()
         call_rules = checks.parse_rules(rules)
+        known = judge.known_violations(known_violation)
         baselines.resolve_tolerances(project.tolerances, tolerances)
     except (ValueError, RuntimeError) as err:
         problem = f"precision check configuration: {err}"
@@ -250,7 +254,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     baseline = None
     if settings.regen:
         before = checks.check_rules(ds, project.rules, case) + checks.check_rules(ds, call_rules, case, strict=True)
-        if any(f.kind in ("threshold", "error") for f in before) and not known_violation:
+        if judge.blocks(checks.verdict(case, judge.excuse(before, known))):
             extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
                                         float("nan"), f"{case}: baseline {path} not written: a run "
                                         "that breaks its rules is not golden"))
@@ -271,7 +275,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     # charts and obtained files are named per test: two tests of one case never share one
     name = safe_filename(node.nodeid)
     outcome = judge_and_chart(ds, baseline, rules=project.rules, case_rules=call_rules,
-                              tolerances=[project.tolerances, tolerances or {}], known=known_violation,
+                              tolerances=[project.tolerances, tolerances or {}], known=known,
                               chart_path=settings.report_dir / "charts" / f"{name}.png",
                               obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
                               regen_hint=hint, extra_findings=extra)

@@ -24,6 +24,8 @@ from precision_suite.verdicts.checks import (
     parse_rules,
     verdict,
 )
+from precision_suite.training.matrix import KnownViolation
+from precision_suite.verdicts.judge import blocks, judge_case, known_violations
 from synthetic_data import make_run_dataset
 
 REPO_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -226,6 +228,75 @@ def test_verdicts_serialise_to_strict_json():
     assert json.loads(text)["findings"][0]["value"] == "nan"
     with pytest.raises(ValueError, match="kind"):
         Finding("c", "oops", "loss", {}, 0.0, 0.0, 0.0, "")
+
+
+# --------------------------------------------------------------------------- known violations
+
+GRADIENT_UNDERFLOW = "underflow <= 1e-3 @ tensor=gradient, layout=1x128"
+FLUSHED_CELL = {"step": 10, "layer": 2, "tensor": "gradient", "layout": "1x128"}
+FLUSHING = KnownViolation("gradient tiles flush, issue #7", rule=GRADIENT_UNDERFLOW)
+
+
+@pytest.fixture(scope="module")
+def flushing_run(run) -> xr.Dataset:
+    """The run with 2% of one layer's gradient tiles flushed: it breaks GRADIENT_UNDERFLOW there."""
+    return planted(run, "underflow", FLUSHED_CELL, 0.02)
+
+
+@pytest.mark.parametrize("known", [
+    FLUSHING,
+    KnownViolation("written as printed", rule="underflow<=0.001@tensor=gradient,layout=1x128"),
+    KnownViolation("by metric", metric="underflow"),
+    KnownViolation("by metric and place", metric="underflow", where={"tensor": "gradient", "layer": 2}),
+], ids=["rule", "rule-as-printed", "metric", "metric-where"])
+def test_a_known_violation_excuses_what_it_names(flushing_run, known):
+    outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW], known=[known])
+    (finding,) = outcome.findings
+    assert (outcome.status, outcome.known, finding.known) == ("known", known.reason, known.reason)
+    assert f"(known violation: {known.reason})" in finding.message and not blocks(outcome)
+
+
+@pytest.mark.parametrize("known", [
+    KnownViolation("another rule", rule="underflow <= 1e-2 @ tensor=gradient, layout=1x128"),
+    KnownViolation("another metric", metric="overflow"),
+    KnownViolation("another layer", metric="underflow", where={"layer": 3}),
+])
+def test_a_known_violation_excuses_nothing_it_does_not_name(flushing_run, known):
+    outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW], known=[known])
+    assert outcome.status == "fail" and outcome.known == "" and blocks(outcome)
+    assert [f.known for f in outcome.findings] == [""]
+
+
+def test_the_case_still_fails_on_a_rule_the_known_violation_does_not_name(flushing_run):
+    outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW, "attention_norm <= 0"], known=[FLUSHING])
+    assert outcome.status == "fail" and outcome.known == "" and blocks(outcome)
+    excused = {f.metric for f in outcome.findings if f.known}
+    failing = {f.metric for f in outcome.findings if not f.known}
+    assert (excused, failing) == ({"underflow"}, {"attention_norm"})
+
+
+def test_a_baseline_regression_is_never_excused(run, flushing_run):
+    # the loss regresses against the run itself: not excused, even by a violation naming its metric
+    regressed = flushing_run.assign(loss=flushing_run["loss"] * 10)
+    outcome = judge_case(regressed, run, rules=[GRADIENT_UNDERFLOW],
+                         known=[FLUSHING, KnownViolation("even by metric", metric="loss")])
+    regressions = [f for f in outcome.findings if f.kind == "regression"]
+    assert regressions and not any(f.known for f in regressions)
+    assert [f.known for f in outcome.findings if f.kind == "threshold"] == [FLUSHING.reason]
+    assert outcome.status == "fail" and blocks(outcome)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: known_violations("a reason alone"), "does not name what it excuses"),
+    (lambda: KnownViolation("a reason alone"), "must name what it excuses"),
+    (lambda: KnownViolation("both", rule=GRADIENT_UNDERFLOW, metric="underflow"), "exactly one of"),
+    (lambda: KnownViolation("where without metric", rule=GRADIENT_UNDERFLOW, where={"layer": 2}), "narrows a metric"),
+    (lambda: KnownViolation("", rule=GRADIENT_UNDERFLOW), "needs a reason"),
+    (lambda: known_violations(KnownViolation("bad rule", rule="underflow < 1")), "bad rule.*underflow < 1"),
+])
+def test_a_known_violation_must_say_why_and_what_it_excuses(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
 
 
 # --------------------------------------------------------------------------- configuration

@@ -183,7 +183,8 @@ def test_rules_from_pyproject_are_checked(workdir, fake_training, capsys):
 def test_known_violations_report_but_do_not_fail_unless_the_baseline_regresses(workdir, fake_training,
                                                                                capsys, monkeypatch):
     planted, _ = fake_training
-    monkeypatch.setitem(matrix.KNOWN_VIOLATIONS, "vit-x-1-fp32", "a documented numerics problem")
+    monkeypatch.setitem(matrix.KNOWN_VIOLATIONS, "vit-x-1-fp32", (matrix.KnownViolation(
+        "a documented numerics problem", rule="attention_norm <= 3 @ attention=x/1"),))
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     (workdir / "pyproject.toml").write_text('[tool.precision_suite]\nrules = ["attention_norm <= 3 @ attention=x/1"]\n')
     assert cli.main(["run", "--config", "cases.toml", "--report-dir", "known", "--charts", "none"]) == 0
@@ -194,6 +195,10 @@ def test_known_violations_report_but_do_not_fail_unless_the_baseline_regresses(w
     assert reported["status"] == "known" and reported["known_violation"] == "a documented numerics problem"
     assert summary["overall"] == "pass" and summary["counts"]["known"] == 1
     assert "known violation, not failing the run" in (workdir / "known" / "summary.md").read_text()
+    (workdir / "pyproject.toml").write_text('[tool.precision_suite]\nrules = ["attention_norm <= 3 @ attention=x/1", '
+                                            '"loss <= 0"]\n')
+    assert cli.main(["run", "--config", "cases.toml", "--report-dir", "another", "--charts", "none"]) == 1
+    assert "FAIL  vit-x-1-fp32" in capsys.readouterr().out  # another rule's finding is not excused
     planted.add("vit-x-1-fp32")
     assert cli.main(["run", "--config", "cases.toml", "--report-dir", "regressed", "--charts", "none"]) == 1
 

@@ -4,12 +4,17 @@ A fresh process loads its compiled quantizers from inductor's FX graph cache ins
 them. The cache must hand a kernel only to the graphs it was compiled for: another format must
 miss, and another shape may only hit the shape-generic kernel that is correct for it. Both are
 checked bit for bit against the ml_dtypes oracle after the in-memory graphs are dropped, so every
-kernel below comes from the disk cache or a fresh compile.
+kernel below comes from the disk cache or a fresh compile. Nor may it hand a kernel to another
+compile environment (CPU capability, compiler, torch): each has its own folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 from precision_suite import use_project_cache
+from precision_suite.numerics.kernel_cache import compile_environment, keyed_cache_dir
 from test_oracle import _assert_bits_equal, _ours, _wide, oracle_fp8
 
 SHAPE_A, SHAPE_B = (256, 384), (384, 640)  # both above quantization.COMPILE_MIN_NUMEL
@@ -47,7 +53,60 @@ def test_the_cache_lives_in_the_project_cache_dir_unless_inductor_is_told_where(
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("PRECISION_SUITE_CACHE_DIR", str(tmp_path))
     use_project_cache()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert folder.parent == tmp_path / "inductor" and folder.is_dir()
+    assert json.loads(folder.with_name(folder.name + ".json").read_text()) == compile_environment()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
     use_project_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_each_compile_environment_has_its_own_folder_and_a_folder_must_prove_its_key(tmp_path):
+    native = compile_environment()
+    avx2 = {**native, "ATEN_CPU_CAPABILITY": "avx2"}
+    folder = keyed_cache_dir(tmp_path, native)
+    assert keyed_cache_dir(tmp_path, native) == folder  # found again
+    assert keyed_cache_dir(tmp_path, avx2) not in (folder, None)
+    folder.with_name(folder.name + ".json").write_text("{}")  # a key that says otherwise
+    assert keyed_cache_dir(tmp_path, native) == folder.with_name(folder.name + "-1")
+    unproven = tmp_path / "other"
+    (unproven / folder.name).mkdir(parents=True)  # a folder of that name, without its key file
+    assert keyed_cache_dir(unproven, native).name == folder.name + "-1"
+
+
+# Quantizes one tensor above COMPILE_MIN_NUMEL through the compiled kernel; prints its cache folder,
+# the capability torch ran with and a digest of the result's bits.
+QUANTIZE_ONCE = """
+import hashlib, json, os
+import numpy as np, torch
+from precision_suite import quantize
+# numpy draws it: torch's randn takes another path, and other numbers, under another capability
+x = torch.from_numpy(np.random.default_rng(0).standard_normal((256, 384), dtype=np.float32) * 100)
+bits = quantize(x, "e4m3", (1, 128)).dequantized.numpy().tobytes()
+print(json.dumps({"cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  "capability": torch.backends.cpu.get_cpu_capability(),
+                  "bits": hashlib.sha256(bits).hexdigest()}))
+"""
+
+
+def quantize_in_process(cache_root: Path, capability: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(PRECISION_SUITE_CACHE_DIR=str(cache_root), PRECISION_SUITE_COMPILE="1")
+    if capability != "native":
+        env["ATEN_CPU_CAPABILITY"] = capability
+    else:
+        env.pop("ATEN_CPU_CAPABILITY", None)
+    done = subprocess.run([sys.executable, "-c", QUANTIZE_ONCE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_cache_filled_under_one_cpu_capability_serves_another_nothing(tmp_path):
+    # a kernel cached under AVX-512 and served to an avx2 process trained a GPT to NaN
+    native = quantize_in_process(tmp_path, "native")
+    assert list(Path(native["cache"]).iterdir()), "the native process cached nothing: nothing was tested"
+    plain = quantize_in_process(tmp_path, "default")
+    assert plain["capability"] != native["capability"]
+    assert plain["cache"] != native["cache"]
+    assert plain["bits"] == native["bits"]

@@ -88,6 +88,7 @@ def synthetic_training(monkeypatch):
 
 CHECK_FILE = """
 import pytest
+from precision_suite.training.matrix import KnownViolation
 from precision_suite.training.runs import RunSpec
 
 @pytest.mark.precision
@@ -355,8 +356,9 @@ def test_project_rules_and_call_rules_are_checked(inner):
     result.stdout.fnmatch_lines(["*rule 'growth(attention_norm) <= 2 @ layer=2' violated at layer 2, step 19*"])
 
 
-def test_a_known_violation_passes_as_known_but_never_excuses_a_regression(inner, monkeypatch):
-    make_check(inner, args=', rules=["attention_norm <= 1"], known_violation="norms start at 2, issue #7"')
+def test_a_known_violation_passes_as_known_but_never_excuses_another_rule_or_a_regression(inner, monkeypatch):
+    known = 'known_violation=KnownViolation("norms start at 2, issue #7", rule="attention_norm <= 1")'
+    make_check(inner, args=f', rules=["attention_norm <= 1"], {known}')
     inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)  # known: the baseline is written
     assert baseline_path(inner.path / "baselines", CASE).is_file()
     result = inner.runpytest_subprocess("--junitxml=j.xml")
@@ -364,6 +366,12 @@ def test_a_known_violation_passes_as_known_but_never_excuses_a_regression(inner,
     result.stdout.fnmatch_lines(["*precision-suite*", f"KNOWN*{CASE}*({NODE})"])
     assert junit_properties(inner.path / "j.xml")["precision_status"] == ["known"]
 
+    make_check(inner, args=f', rules=["attention_norm <= 1", "loss <= 0"], {known}')
+    result = inner.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rule 'loss <= 0' violated*"])
+
+    make_check(inner, args=f', rules=["attention_norm <= 1"], {known}')
     monkeypatch.setenv(PLANT_ENV, "regression")
     inner.runpytest_subprocess().assert_outcomes(failed=1)
 
@@ -371,6 +379,9 @@ def test_a_known_violation_passes_as_known_but_never_excuses_a_regression(inner,
 def test_bad_rules_tolerances_and_config_fail_readably(inner):
     make_check(inner, args=', rules=["underflow < 1"]')
     inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
+    make_check(inner, args=', known_violation="a reason alone"')
+    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: known violation "
+                                                       "'a reason alone' does not name what it excuses*"])
     make_check(inner, args=', tolerances={"no_such_metric": 1.0}')
     inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: metric 'no_such_metric' "
                                             "has no default tolerance*"])

@@ -55,7 +55,7 @@ def judge_case(case: str, current: xr.Dataset, reference: xr.Dataset | None, rul
     name = safe_filename(str(current.attrs.get("case", case)))
     try:
         return judge_and_chart(current, reference, rules=rules, tolerances=tolerances,
-                               known=matrix.KNOWN_VIOLATIONS.get(case, ""),
+                               known=matrix.KNOWN_VIOLATIONS.get(case, ()),
                                chart_path=None if charts == "none" else report_dir / "charts" / f"{name}-drift.png",
                                obtained_path=report_dir / "obtained" / f"{name}.nc",
                                regen_hint=regen_hint)

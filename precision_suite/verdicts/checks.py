@@ -373,7 +373,8 @@ def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Fin
             if n_checked > 1:
                 detail += f"; {int(bad[g].sum())} of {n_checked} {time_dim}s violate"
         findings.append(Finding(case, "threshold", rule.metric, where, value, ref, math.nan,
-                                f"{case}: rule '{rule}' violated at {format_where(where)}: {detail}"))
+                                f"{case}: rule '{rule}' violated at {format_where(where)}: {detail}",
+                                rule=str(rule)))
     return findings
 
 

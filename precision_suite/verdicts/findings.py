@@ -33,7 +33,8 @@ class Finding:
     could not be made). where: the coordinates, e.g. {"layer": 3, "tensor": "gradient",
     "layout": "1x128", "step": 30}. value: the current number; reference: the baseline value or the
     rule's bound; tolerance: the accepted deviation in the metric's comparison space (NaN for
-    rules and errors).
+    rules and errors). rule: the text of the rule that found it (threshold findings). known: the
+    reason of the known violation that excuses it (a threshold finding that then fails nothing).
     """
 
     case: str
@@ -45,6 +46,8 @@ class Finding:
     tolerance: float
     message: str
     score: float = math.nan  # ensemble comparison: spreads from the seeds' mean (bad direction +)
+    rule: str = ""
+    known: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:
@@ -56,13 +59,13 @@ class Finding:
                 "where": dict(self.where), "value": _json_number(self.value),
                 "reference": _json_number(self.reference),
                 "tolerance": _json_number(self.tolerance), "score": _json_number(self.score),
-                "message": self.message}
+                "message": self.message, "rule": self.rule, "known": self.known}
 
 
 @dataclass(frozen=True, slots=True)
 class CaseVerdict:
-    """The outcome of one case. status: "pass" | "drift" | "known" (fails only by a known,
-    listed violation) | "fail" | "error"; known: the listed reason, if any."""
+    """The outcome of one case. status: "pass" | "drift" | "known" (its only failing findings are
+    excused by known violations) | "fail" | "error"; known: their reasons, for a "known" case."""
 
     case: str
     status: str
@@ -76,27 +79,32 @@ class CaseVerdict:
 
 
 def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) -> CaseVerdict:
-    """Status from the findings: any regression or threshold -> fail; else any error -> error;
-    else any drift -> drift; else pass. A definite failure outranks "could not check"."""
+    """Status from the findings: any regression or threshold a known violation does not excuse ->
+    fail; else any error -> error; else any excused threshold -> known; else any drift -> drift;
+    else pass. A definite failure outranks "could not check"."""
     findings = tuple(findings)
-    kinds = {f.kind for f in findings}
+    kinds = {f.kind for f in findings if not f.known}
+    reasons = dict.fromkeys(f.known for f in findings if f.known)  # each reason once, in order
     if kinds & {"regression", "threshold"}:
         status = "fail"
     elif "error" in kinds:
         status = "error"
+    elif reasons:
+        status = "known"
     elif "drift" in kinds:
         status = "drift"
     else:
         status = "pass"
-    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts))
+    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts),
+                       known="; ".join(reasons) if status == "known" else "")
 
 
-def severity(kind: str, score: Any) -> tuple[bool, float]:
+def severity(kind: str, score: Any, known: str = "") -> tuple[bool, float]:
     """Sort key of a finding, worst first: the kinds that fail a case (regression, threshold,
-    error) before drift, then the largest distance from the band (|score|); a finding without a
-    finite score (a rule's, an error) ranks as the largest."""
+    error; not one a known violation excuses) before the rest, then the largest distance from the
+    band (|score|); a finding without a finite score (a rule's, an error) ranks as the largest."""
     size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
-    return (kind not in ("regression", "error", "threshold"), -size)
+    return (bool(known) or kind not in ("regression", "error", "threshold"), -size)
 
 
 def format_where(where: Mapping[str, Any]) -> str:

@@ -2,27 +2,30 @@
 (through jobs.judging, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
-with the tolerance table), checks the threshold rules, excuses a listed known violation (its
-threshold findings only, never a baseline regression) and saves the obtained dataset beside the
+with the tolerance table), checks the threshold rules, excuses the threshold findings a known
+violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
 verdicts and draws nothing: charts belong to the reports layer above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import xarray as xr
 
 from precision_suite.files import save_dataset
+from precision_suite.training.matrix import KnownViolation
 from precision_suite.verdicts import baselines, checks, ensemble
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
 
 
 def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequence[Any] = (),
-               case_rules: Sequence[Any] = (), tolerances: Any = None, known: str = "",
+               case_rules: Sequence[Any] = (), tolerances: Any = None,
+               known: Sequence[KnownViolation] = (),
                obtained_path: str | Path | None = None,
                regen_hint: str = "", extra_findings: Sequence[Finding] = ()) -> CaseVerdict:
     """The verdict of one run. `rules` apply where they match (project rules); `case_rules` were
@@ -37,13 +40,51 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings += baselines.compare(current, reference, tolerances)
     findings += checks.check_rules(current, rules, case)
     findings += checks.check_rules(current, case_rules, case, strict=True)
-    outcome = verdict(case, findings)
-    blocking = [f for f in findings if f.kind in ("regression", "error")]
-    if known and outcome.status == "fail" and not blocking:
-        outcome = CaseVerdict(case, "known", outcome.findings, outcome.charts, known)
+    outcome = verdict(case, excuse(findings, known))
     if obtained_path is not None and outcome.status in ("fail", "error"):
         save_dataset(current, obtained_path)
     return outcome
+
+
+def known_violations(given: KnownViolation | Iterable[KnownViolation] | None) -> tuple[KnownViolation, ...]:
+    """`given` (one, several or None) as a tuple, each naming a valid rule; ValueError otherwise,
+    saying how to name what is excused (a bare reason excuses nothing: it would hide any finding)."""
+    if given is None:
+        return ()
+    listed = tuple(given) if isinstance(given, Iterable) and not isinstance(given, str) else (given,)
+    for item in listed:
+        if not isinstance(item, KnownViolation):
+            raise ValueError(f"known violation {item!r} does not name what it excuses; write "
+                             "KnownViolation(reason, rule='underflow <= 1e-3 @ tensor=gradient') or "
+                             "KnownViolation(reason, metric='underflow', where={'tensor': 'gradient'})")
+        if item.rule:
+            try:
+                checks.parse_rule(item.rule)
+            except ValueError as err:
+                raise ValueError(f"known violation {item.reason!r}: rule {item.rule!r}: {err}") from None
+    return listed
+
+
+def excuse(findings: Iterable[Finding], known: Iterable[KnownViolation]) -> list[Finding]:
+    """`findings`, each threshold finding that a known violation names marked with its reason
+    (and saying so in its message); every other finding as it was."""
+    # rules compare in their printed form: "1e-3" in a known violation names the rule "0.001"
+    named = [(violation, str(checks.parse_rule(violation.rule)) if violation.rule else "")
+             for violation in known_violations(known)]
+    marked = []
+    for finding in findings:
+        violation = next((v for v, rule in named if finding.kind == "threshold"
+                          and (finding.rule == rule if rule else _names_metric(v, finding))), None)
+        if violation is not None:
+            finding = dataclasses.replace(finding, known=violation.reason,
+                                          message=f"{finding.message} (known violation: {violation.reason})")
+        marked.append(finding)
+    return marked
+
+
+def _names_metric(violation: KnownViolation, finding: Finding) -> bool:
+    return finding.metric == violation.metric and all(
+        key in finding.where and str(finding.where[key]) == str(value) for key, value in violation.where.items())
 
 
 def blocks(outcome: CaseVerdict) -> bool:
