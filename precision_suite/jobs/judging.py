@@ -5,7 +5,6 @@ and the report that lists the verdicts."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
