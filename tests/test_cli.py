@@ -15,6 +15,7 @@ import pytest
 from precision_suite import __version__, cli, files
 from precision_suite.verdicts import calibration
 from precision_suite.jobs import execution
+from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training import matrix, runs
 from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
 from precision_suite.jobs.selection import config_specs
@@ -66,7 +67,9 @@ def fake_training(monkeypatch):
         return _synthetic(spec, planted=case_id(spec) in planted)
 
     monkeypatch.setattr(runs, "run", fake_run)
-    monkeypatch.setattr(execution, "default_workers", lambda: 1)  # spawned workers would train for real
+    # spawned workers, and the fresh interpreters of the rounding twins, would train for real
+    monkeypatch.setattr(execution, "default_workers", lambda: 1)
+    monkeypatch.setattr(execution, "run_in_fresh_process", lambda task: fake_run(task.spec))
     return planted, trained
 
 
@@ -313,17 +316,19 @@ def test_calibrate_measures_false_alarms_and_every_later_report_states_them(work
     assert cli.main(["calibrate", "--workers", "1", "--config", "cases.toml", "--report-dir", "cal",
                      "--held-out-seeds", "100", "101", "--charts", "none"]) == 0
     out = capsys.readouterr().out
-    # 2 cases x (2 rounding perturbations + 2 held-out seeds) trained, 2 x 4 members left out
-    assert "16 perturbed runs (8 trained, 8 members left out of their ensemble), 0 with a FAIL" in out
+    # 2 cases x (this host's rounding twins + 2 held-out seeds) trained, 2 x 4 members left out
+    trained = 2 * (len(rounding_twins()) + 2)
+    runs = trained + 8
+    assert f"{runs} perturbed runs ({trained} trained, 8 members left out of their ensemble), 0 with a FAIL" in out
     measured = json.loads(calibration.measured_path(workdir / "baselines").read_text())
-    assert (measured["runs"], measured["runs_with_alarms"]) == (16, 0)
-    assert "seed 3 left out" in measured["perturbations"]
+    assert (measured["runs"], measured["runs_with_alarms"]) == (runs, 0)
+    assert {"seed 3 left out", "ATen default kernels"} <= set(measured["perturbations"])
 
     assert cli.main(["run", "--config", "cases.toml", "--report-dir", "after", "--charts", "none"]) == 0
     summary = _summary(workdir / "after")
     assert summary["sensitivity"]["measured"] == measured
     assert set(summary["sensitivity"]["detectable_change"]) == {"vit-softmax-fp32", "vit-x-1-fp32"}
-    assert "0 of 16 perturbed runs with a false alarm" in (workdir / "after" / "summary.md").read_text()
+    assert f"0 of {runs} perturbed runs with a false alarm" in (workdir / "after" / "summary.md").read_text()
     assert "Sensitivity of the comparison" in (workdir / "after" / "index.html").read_text()
 
 

@@ -84,14 +84,14 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 def run_task(task: Task) -> xr.Dataset:
     if PROCESS_START_ENV & set(task.env):
-        return _run_in_fresh_process(task)
+        return run_in_fresh_process(task)
     from precision_suite.training import runs  # lazy: torch loads with a run, not with --help
 
     with _environment(task.env):
         return runs.run(task.spec)
 
 
-def _run_in_fresh_process(task: Task) -> xr.Dataset:
+def run_in_fresh_process(task: Task) -> xr.Dataset:
     """`task` trained by a new interpreter (`python -m precision_suite.jobs.fresh_run`) started
     with the task's environment; its dataset comes back through a netCDF file."""
     with tempfile.TemporaryDirectory(prefix="precision-suite-run-") as folder:
