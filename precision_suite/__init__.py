@@ -14,20 +14,27 @@ from precision_suite.numerics import kernel_cache
 from precision_suite.version import __version__
 
 
+# The folder use_project_cache chose. A process started from this one inherits both variables;
+# if its settings differ (a rounding twin's ATEN_CPU_CAPABILITY), it must choose its own folder.
+KEYED_BY_US = "PRECISION_SUITE_KEYED_INDUCTOR_DIR"
+
+
 def use_project_cache() -> None:
     """Keep inductor's caches under $PRECISION_SUITE_CACHE_DIR (default ~/.cache/precision-suite),
     in `inductor/<hash>`, a folder per compile environment (numerics.kernel_cache): compiled kernels
     then outlive /tmp and one process, so a fresh process loads its graphs instead of compiling
     them, and never one compiled for another CPU capability or compiler (tests/test_compile_cache.py).
     A TORCHINDUCTOR_CACHE_DIR set by the user wins, as is: the user then owns its key."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
-        try:
-            folder = kernel_cache.keyed_cache_dir(os.path.join(root, "inductor"), kernel_cache.compile_environment())
-        except OSError:  # an unwritable cache: inductor keeps its per-process default
-            return
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    inherited = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inherited is not None and inherited != os.environ.get(KEYED_BY_US):
+        return
+    root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
+    try:
+        folder = kernel_cache.keyed_cache_dir(os.path.join(root, "inductor"), kernel_cache.compile_environment())
+    except OSError:  # an unwritable cache: inductor keeps its per-process default
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[KEYED_BY_US] = str(folder)
 
 
 # At import of the package, before any inductor code runs in this process: inductor's first

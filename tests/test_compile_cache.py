@@ -21,7 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-from precision_suite import use_project_cache
+from precision_suite import KEYED_BY_US, use_project_cache
 from precision_suite.numerics.kernel_cache import compile_environment, keyed_cache_dir
 from test_oracle import _assert_bits_equal, _ours, _wide, oracle_fp8
 
@@ -49,8 +49,9 @@ def test_a_cached_kernel_is_served_only_to_its_own_format_and_shape(tmp_path):
 def test_the_cache_lives_in_the_project_cache_dir_unless_inductor_is_told_where(tmp_path, monkeypatch):
     # set first, so that teardown restores the variable whatever use_project_cache writes into it
     # (a delenv of an absent variable records nothing, and the test's value leaked into later tests)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    for name in ("TORCHINDUCTOR_CACHE_DIR", KEYED_BY_US):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PRECISION_SUITE_CACHE_DIR", str(tmp_path))
     use_project_cache()
     folder = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -102,6 +103,22 @@ def quantize_in_process(cache_root: Path, capability: str) -> dict:
 
 
 @pytest.mark.slow
+def cache_dir_of_a_child(**env: str) -> str:
+    return subprocess.run([sys.executable, "-c", "import os, precision_suite; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
+                          env={**os.environ, **env}, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_process_started_from_this_one_keys_its_own_cache_folder():
+    # a rounding twin is such a process: it inherits our TORCHINDUCTOR_CACHE_DIR, and must not
+    # take it for the user's when its own CPU capability differs
+    ours = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    if os.environ.get(KEYED_BY_US) != ours:
+        pytest.skip("TORCHINDUCTOR_CACHE_DIR was set by the user, who owns its key")
+    assert cache_dir_of_a_child() == ours
+    assert cache_dir_of_a_child(ATEN_CPU_CAPABILITY="default") != ours
+    assert cache_dir_of_a_child(TORCHINDUCTOR_CACHE_DIR="/users/own") == "/users/own"
+
+
 def test_a_cache_filled_under_one_cpu_capability_serves_another_nothing(tmp_path):
     # a kernel cached under AVX-512 and served to an avx2 process trained a GPT to NaN
     native = quantize_in_process(tmp_path, "native")
