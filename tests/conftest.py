@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Every test starts from the session's environment: a command run in-process sets variables
+    for the workers it spawns (a config's user recipes), which leaked into whichever test the
+    random order ran next in the same worker."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

@@ -17,6 +17,7 @@ import torch
 from precision_suite import cli
 from precision_suite.training import models
 from precision_suite.numerics import quantization
+from precision_suite.jobs.twins import rounding_twins
 from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
@@ -151,7 +152,7 @@ def test_calibrate_counts_no_false_alarm_on_unchanged_code(project):
     for case in ("vit-x-1-fp32", "gpt-softmax-fp8-block"):
         case = next(c for c, _ in labels if c.startswith(case))
         assert {p for c, p in labels if c == case} == {
-            "threads=2", "PRECISION_SUITE_COMPILE=0", "seed 100",
+            *(twin.name for twin in rounding_twins()), "seed 100",
             *(f"seed {s} left out" for s in ENSEMBLE_SEEDS)}
     assert all(sum(row["false_alarms"].values()) == 0 for row in table["runs"])
     assert set(table["detectable_change"]) == {c for c, _ in labels}
