@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+import xarray as xr
 
 from precision_suite import cli
 from precision_suite.verdicts.baselines import BaselineError, load_ensemble, save_baseline
@@ -128,6 +129,28 @@ def test_a_first_point_count_moves_within_the_twins_allowance_and_fails_beyond_i
             if fails:
                 assert f"of {numel:,.0f} elements against {count:,.0f} in seed 1" in found[0].message
                 assert f"allow ±{allowed:,.1f}" in found[0].message
+
+
+def test_first_point_counts_that_all_move_one_way_fail_together_and_scattered_ones_pass():
+    """Every series moves by about half its allowance (never beyond it alone): moves that cancel
+    over the case (another host's rounding, up here and down there) pass; the same moves all up
+    (a wrong block scale, a few elements in every series) fail, as one case-level finding."""
+    runs = [make_run_dataset(seed=s) for s in SEEDS]
+    ensemble = make_ensemble(runs, FLOORS, {**NO_COUNT_NOISE, "underflow": 0.5})
+    counts = (runs[1]["underflow"].isel(step=0) * runs[1]["numel"]).transpose(*runs[1]["underflow"].dims[1:])
+    half = count_allowance(0.5, counts) / 2
+    up = np.zeros(counts.size, dtype=bool)
+    up[np.argsort(half.values, axis=None)[::2]] = True  # every other series by size: halves alike
+    up = xr.DataArray(up.reshape(counts.shape), dims=counts.dims)
+    down_scale = float(half.where(up).sum() / half.where(~up).sum())  # so that the moves cancel
+    assert 0.5 < down_scale < 2  # each move still within its series' allowance
+    cancelling = xr.where(up, half, -half * down_scale)
+    for moved, fails in [(cancelling, False), (half, True)]:
+        current = make_run_dataset(seed=1)
+        current["underflow"].loc[dict(step=0)] = (counts + moved) / runs[1]["numel"]
+        found = [f for f in compare_ensemble(current, ensemble) if f.metric == "underflow"]
+        assert all("moved together" in f.message for f in found)
+        assert len(found) == int(fails), [f.message for f in found]
 
 
 def test_count_noise_is_the_largest_twin_change_per_sqrt_count():

@@ -326,6 +326,10 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     for s in all_series:
         findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
                                   len(seeds), regen_hint)
+        if member is not None and SPACES[s.metric].kind == "log_count" and s.ens_y.shape[2] > 0:
+            if (together := _counts_moved_together(case, s, member, seed, float(tol0.get(s.metric, 0.0)),
+                                                   regen_hint)) is not None:
+                findings.append(together)
     return findings
 
 
@@ -405,7 +409,7 @@ def _first_point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any]
     """A regression if the first point moved beyond rounding from the member of the run's seed:
     counts by the count model in elements, every other metric by `tol0` in its space."""
     space = SPACES[s.metric]
-    hint = "the computation itself changed; if intended, regenerate" + (f" with: {regen_hint}" if regen_hint else "")
+    hint = _changed_hint(regen_hint)
     if space.kind == "log_count":
         numel = 1.0 if s.numel is None else float(s.numel[g, 0])
         ref, cur = s.ens_values[member, g, 0] * numel, s.cur_values[g, 0] * numel
@@ -423,6 +427,35 @@ def _first_point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any]
     detail = (f"first point changed beyond rounding ({_y_change(space, d)}, rounding tolerance "
               f"{_y_change(space, tol0, signed=False)}) against seed {seed} of the baseline: {hint}")
     return _finding(case, "regression", s, where, 0, g, d, tol0, detail, member_seed=seed)
+
+
+def _counts_moved_together(case: str, s: _Series, member: int, seed: Any, count_noise: float,
+                           regen_hint: str) -> Finding | None:
+    """The case-level first-point check of a count metric: the sum of every series' change
+    against the rounding noise of that sum, each series' noise taken as its allowance /
+    FIRST_STEP_SAFETY and the series as independent. Another host moves each count by up to
+    its allowance, up in some series and down in others; a wrong block scale moves a few elements
+    in each series, within its allowance, but every one the same way."""
+    numel = np.ones(len(s.groups)) if s.numel is None else s.numel[:, 0]
+    ref, cur = s.ens_values[member, :, 0] * numel, s.cur_values[:, 0] * numel
+    ok = np.flatnonzero(np.isfinite(ref) & np.isfinite(cur))
+    if ok.size < 2:
+        return None
+    change = cur[ok] - ref[ok]
+    noise = np.sqrt(np.sum((count_allowance(count_noise, ref[ok]) / FIRST_STEP_SAFETY) ** 2))
+    z = float(change.sum() / noise)
+    if abs(z) <= FIRST_STEP_SAFETY:
+        return None
+    g = int(ok[np.argmax(np.abs(change))])  # the finding points at the series that moved most
+    detail = (f"first point: the case's {s.metric} counts moved together, {change.sum():+,.0f} elements over "
+              f"{ok.size} series against {ref[ok].sum():,.0f} in seed {seed} of the baseline: {z:+.1f} "
+              f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
+              f"{_changed_hint(regen_hint)}")
+    return _finding(case, "regression", s, s.groups[g], 0, g, z, FIRST_STEP_SAFETY, detail, member_seed=seed)
+
+
+def _changed_hint(regen_hint: str) -> str:
+    return "the computation itself changed; if intended, regenerate" + (f" with: {regen_hint}" if regen_hint else "")
 
 
 def _y_change(space: Space, d: float, signed: bool = True) -> str:
