@@ -66,8 +66,8 @@ def update_baselines(selection: Selection, *, baseline_dir: str, workers: int | 
     specs = selected_specs(selection)
     where = train.placement(workers, scheduler)
     n_tasks = sum(len(ensemble_tasks(spec)) for spec in specs)
-    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and their first-step rounding "
-          f"perturbations) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
+    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and the first steps of their rounding "
+          f"twins) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
     with train.execution_errors(where):  # raised before any baseline is written
         written = regenerate(specs, baseline_dir, where.workers, train.task_progress(n_tasks),
                              scheduler=where.scheduler)

@@ -13,7 +13,9 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
   and the author regenerates on purpose. Counts (fractions times their elements) get a count
   model, since the elements that rounding moves sit on a quantization boundary, the more of them
   the more are counted: a count may move by `FIRST_STEP_SAFETY * k * sqrt(count + 1)` elements,
-  `k` the largest such change the twins made in the case (at least `FIRST_STEP_FLIPS`).
+  `k` the largest such change the twins made in the case (at least `FIRST_STEP_FLIPS`). The sum
+  of a count metric's changes over the case is held to the noise of that sum as well
+  (`_counts_moved_together`): rounding moves counts both ways, a wrong scale moves all one way.
 - **trained points** (and every point of a seed outside the ensemble): against the ensemble's
   spread, per series (metric x layer x tensor x layout) in the metric's own space (`SPACES`).
   Each point's z is its distance from the K-seed mean in spreads; the variance of a point is the
