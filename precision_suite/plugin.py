@@ -173,6 +173,16 @@ class RunCache:
             self._datasets[key] = runs.run(spec)
         return self._datasets[key]
 
+    def replay(self, spec: RunSpec, stored: xr.Dataset) -> xr.Dataset:
+        """The replay of `spec`'s last steps from the state in `stored` (its seed), once per session."""
+        from precision_suite.training import replays  # lazy, as above
+
+        spec = dataclasses.replace(self.with_device(spec), seed=int(json.loads(stored.attrs["spec"])["seed"]))
+        key = f"replay {spec.to_json()}"
+        if key not in self._datasets:
+            self._datasets[key] = replays.replay(spec, stored)
+        return self._datasets[key]
+
     def with_device(self, spec: RunSpec) -> RunSpec:
         """The spec with the session's device (when the spec leaves it to 'auto') and seed."""
         if self.device != "auto" and spec.device == "auto":
@@ -251,7 +261,7 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
         hint += f"  (or: {baselines.default_regen_hint(case)})"
 
     extra: list[Finding] = []
-    baseline = None
+    baseline = replay = stored_replay = None
     if settings.regen:
         before = checks.check_rules(ds, project.rules, case) + checks.check_rules(ds, call_rules, case, strict=True)
         if judge.blocks(checks.verdict(case, judge.excuse(before, known))):
@@ -272,13 +282,19 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
         except baselines.BaselineError as err:
             extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
                                         float("nan"), f"{case}: {err}"))
+        if baseline is not None and not isinstance(spec_or_dataset, xr.Dataset):
+            replay, stored_replay, problem = _replay(runner, _as_spec(spec_or_dataset), settings.baseline_dir,
+                                                     case, ds.attrs["spec"], hint)
+            if problem:
+                extra.append(checks.Finding(case, "error", "replay", {}, float("nan"), float("nan"),
+                                            float("nan"), f"{case}: {problem}"))
     # charts and obtained files are named per test: two tests of one case never share one
     name = safe_filename(node.nodeid)
     outcome = judge_and_chart(ds, baseline, rules=project.rules, case_rules=call_rules,
                               tolerances=[project.tolerances, tolerances or {}], known=known,
                               chart_path=settings.report_dir / "charts" / f"{name}.png",
                               obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
-                              regen_hint=hint, extra_findings=extra)
+                              regen_hint=hint, extra_findings=extra, replay=replay, stored_replay=stored_replay)
     node.user_properties.append((CASE_PROPERTY, case))
     node.user_properties.append((STATUS_PROPERTY, outcome.status))
     for chart in outcome.charts:
@@ -286,6 +302,22 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     if judge.blocks(outcome):
         pytest.fail(failure_message(outcome), pytrace=False)
     return outcome
+
+
+def _replay(runner: RunCache, spec: RunSpec, baseline_dir: Path, case: str, spec_json: str,
+            hint: str) -> tuple[xr.Dataset | None, xr.Dataset | None, str]:
+    """(the case's replay, its stored replay, a problem) for a spec whose case stores replays
+    (training.replays.replay_start); (None, None, "") for one that does not."""
+    from precision_suite.training.replays import replay_start
+    from precision_suite.verdicts import baselines, replays
+
+    if replay_start(spec) is None:
+        return None, None, ""
+    try:
+        stored = replays.load_replay(baseline_dir, case, expected_spec=spec_json, regen_hint=hint)
+        return runner.replay(spec, stored), stored, ""
+    except (baselines.BaselineError, ValueError) as err:
+        return None, None, str(err)
 
 
 def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> NoReturn:

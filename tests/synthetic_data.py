@@ -84,3 +84,31 @@ def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str
                "fingerprint": json.dumps({"torch": "synthetic", "device": "cpu", "threads": 1}),
                "package_version": "0.1.0"},
     )
+
+
+def synthetic_replay(spec) -> xr.Dataset:
+    """A stand-in for `training.replays.replay(spec, state)`: the last sampled step and the last
+    training steps of a synthetic run of `spec` (deterministic: a replay and its stored one agree)."""
+    from precision_suite.training.replays import REPLAY_STEPS, replay_start
+    from precision_suite.training.runs import case_id
+
+    start = replay_start(spec)
+    ds = make_run_dataset(model=spec.model, attention=spec.attention, recipe=spec.recipe, depth=2,
+                          steps=spec.steps + 1, sample_every=spec.steps, seed=spec.seed)
+    ds = ds.isel(step=[-1], train_step=slice(start, start + REPLAY_STEPS + 1))
+    return ds.assign_attrs(case=case_id(spec), spec=spec.to_json(), replayed_from=start)
+
+
+def fake_replays(monkeypatch, fake_run) -> None:
+    """Make regeneration keep a stand-in state with `fake_run`'s runs and replays give
+    `synthetic_replay`; fresh interpreters (rounding twins) are not started: their tasks run here."""
+    from precision_suite.jobs import execution
+    from precision_suite.training import replays
+
+    def keep_state(spec):
+        return fake_run(spec).assign(state_weight_change=("state_element", np.zeros(8, dtype=np.int8)),
+                                     state_start_step=((), np.int64(replays.replay_start(spec))))
+
+    monkeypatch.setattr(replays, "run_keeping_state", keep_state)
+    monkeypatch.setattr(replays, "replay", lambda spec, state: synthetic_replay(spec))
+    monkeypatch.setattr(execution, "run_in_fresh_process", execution.train_here)

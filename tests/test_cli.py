@@ -20,7 +20,7 @@ from precision_suite.training import matrix, runs
 from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
 from precision_suite.jobs.selection import config_specs
 from precision_suite.training.runs import RunSpec, case_id
-from synthetic_data import make_run_dataset
+from synthetic_data import fake_replays, make_run_dataset
 
 TINY_CONFIG = """
 [[case]]
@@ -69,7 +69,7 @@ def fake_training(monkeypatch):
     monkeypatch.setattr(runs, "run", fake_run)
     # spawned workers, and the fresh interpreters of the rounding twins, would train for real
     monkeypatch.setattr(execution, "default_workers", lambda: 1)
-    monkeypatch.setattr(execution, "run_in_fresh_process", lambda task: fake_run(task.spec))
+    fake_replays(monkeypatch, fake_run)
     return planted, trained
 
 
@@ -137,6 +137,8 @@ def test_missing_baseline_is_a_configuration_error_naming_the_command(workdir, f
 def test_baseline_update_then_run_passes_and_writes_a_report(workdir, fake_training, capsys):
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     assert sorted(p.name for p in (workdir / "baselines").iterdir()) == \
+        ["replays", "vit-softmax-fp32.nc", "vit-x-1-fp32.nc"]
+    assert sorted(p.name for p in (workdir / "baselines" / "replays").iterdir()) == \
         ["vit-softmax-fp32.nc", "vit-x-1-fp32.nc"]
     capsys.readouterr()
     assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 0
@@ -316,10 +318,12 @@ def test_calibrate_measures_false_alarms_and_every_later_report_states_them(work
     assert cli.main(["calibrate", "--workers", "1", "--config", "cases.toml", "--report-dir", "cal",
                      "--held-out-seeds", "100", "101", "--charts", "none"]) == 0
     out = capsys.readouterr().out
-    # 2 cases x (this host's rounding twins + 2 held-out seeds) trained, 2 x 4 members left out
-    trained = 2 * (len(rounding_twins()) + 2)
-    runs = trained + 8
-    assert f"{runs} perturbed runs ({trained} trained, 8 members left out of their ensemble), 0 with a FAIL" in out
+    # 2 cases x (this host's rounding twins + 2 held-out seeds) trained, 2 x one replay per twin
+    # judged against the others' tolerance, 2 x 4 members left out
+    trained, replays = 2 * (len(rounding_twins()) + 2), 2 * len(rounding_twins())
+    runs = trained + replays + 8
+    assert (f"{runs} judged: {trained} perturbed runs (with their replays), {replays} replays against a "
+            "tolerance measured without their twin, 8 members left out of their ensemble; 0 with a FAIL") in out
     measured = json.loads(calibration.measured_path(workdir / "baselines").read_text())
     assert (measured["runs"], measured["runs_with_alarms"]) == (runs, 0)
     assert {"seed 3 left out", "ATen default kernels"} <= set(measured["perturbations"])

@@ -59,9 +59,8 @@ import sys
 import pytest
 
 sys.path.insert(0, {str(TESTS_DIR)!r})
-from synthetic_data import make_run_dataset
+from synthetic_data import fake_replays, make_run_dataset
 
-import precision_suite.jobs.execution as execution
 import precision_suite.training.runs as runs
 
 PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
@@ -85,8 +84,7 @@ def fake_run(spec, progress=None):
 @pytest.fixture(autouse=True)
 def synthetic_training(monkeypatch):
     monkeypatch.setattr(runs, "run", fake_run)
-    # the rounding twins that need a fresh interpreter would train for real there
-    monkeypatch.setattr(execution, "run_in_fresh_process", lambda task: fake_run(task.spec))
+    fake_replays(monkeypatch, fake_run)  # and the rounding twins' fresh interpreters are not started
 """
 
 CHECK_FILE = """

@@ -3,7 +3,9 @@ with a chart of the case, while the unplanted code passes against the same basel
 
 Each plant is a bug that has shipped in real low-precision stacks: a block scale computed with the
 wrong format maximum (flushes small values to zero), truncation instead of round-to-nearest, and
-attention scores missing their 1/sqrt(d_head).
+attention scores missing their 1/sqrt(d_head). The late plants start after step 0, where only the
+replays from stored states (training.replays) compare deterministically: a scale error switched
+on at a trained step, and a quantized weight reused after the optimizer changed the weight.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from precision_suite import cli
-from precision_suite.training import models
+from precision_suite.training import models, recipes, runs
+from precision_suite.training.replays import replay_start
+from precision_suite.jobs.selection import config_specs
 from precision_suite.numerics import quantization
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
@@ -63,6 +67,58 @@ def missing_score_scaling(monkeypatch):
     monkeypatch.setattr(models, "attention_scores", lambda q, k: q @ k.transpose(-2, -1))
 
 
+LATE_ONSET = 3  # a trained step before the small cases' replays (steps 4 and 5 of 6)
+
+
+def switched_on_late(monkeypatch, plant):
+    """`plant` in force from training step LATE_ONSET on (in runs and replays alike)."""
+    original_step = runs.Trainer.step
+    original_scales = quantization.block_scales
+    with monkeypatch.context() as planted:
+        plant(planted)
+        broken_scales = quantization.block_scales
+    state = {"step": 0}
+
+    def step(self, index, sample):
+        state["step"] = index
+        return original_step(self, index, sample)
+
+    monkeypatch.setattr(runs.Trainer, "step", step)
+    monkeypatch.setattr(quantization, "block_scales", lambda *args, **kwargs: (
+        broken_scales if state["step"] >= LATE_ONSET else original_scales)(*args, **kwargs))
+
+
+def wrong_scale_from_a_trained_step(monkeypatch):
+    switched_on_late(monkeypatch, wrong_scale)
+
+
+def scale_four_times_too_large_from_a_trained_step(monkeypatch):
+    switched_on_late(monkeypatch, scale_four_times_too_large)
+
+
+def stale_quantized_weight(monkeypatch):
+    """The forward keeps each weight's first quantization and reuses it after the optimizer has
+    changed the weight (a quantized-weight cache that is never invalidated)."""
+    original = recipes.Operand.apply
+    cache = {}
+
+    def apply(self, x2d, generator):
+        if not (x2d.requires_grad and x2d.is_leaf):  # activations and gradients: as they were
+            return original(self, x2d, generator)
+        if id(x2d) not in cache:
+            cache[id(x2d)] = (x2d, original(self, x2d, generator))  # the weight kept alive: ids stay unique
+        return cache[id(x2d)][1]
+
+    monkeypatch.setattr(recipes.Operand, "apply", apply)
+
+
+LATE_PLANTS = {
+    # plant: (case it breaks); each must fail there through its replay
+    wrong_scale_from_a_trained_step: "gpt-softmax-fp8-block",
+    scale_four_times_too_large_from_a_trained_step: "vit-x-1-fp32",
+    stale_quantized_weight: "gpt-softmax-fp8-block",
+}
+
 PLANTS = {
     # plant: (case it breaks, metrics that must be reported as regressions)
     wrong_scale: ("gpt-softmax-fp8-block", {"underflow", "zeros_after"}),
@@ -101,7 +157,7 @@ def test_unplanted_code_passes(project):
 @pytest.mark.parametrize("plant", list(PLANTS), ids=lambda p: p.__name__)
 def test_planted_regression_fails_with_a_chart(project, plant, monkeypatch):
     broken_case, expected_metrics = PLANTS[plant]
-    baselines_before = {p.name: p.read_bytes() for p in (project / "baselines").iterdir()}
+    baselines_before = _files(project / "baselines")
     plant(monkeypatch)
     status, summary = _run(project, f"planted-{plant.__name__}")
     assert status == 1
@@ -114,7 +170,38 @@ def test_planted_regression_fails_with_a_chart(project, plant, monkeypatch):
     for chart in case["charts"]:
         png = project / f"planted-{plant.__name__}" / chart
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {p.name: p.read_bytes() for p in (project / "baselines").iterdir()} == baselines_before
+    assert _files(project / "baselines") == baselines_before
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_late_onset_comes_before_the_small_cases_replays(tmp_path):
+    (tmp_path / "cases.toml").write_text(CONFIG)
+    for spec in config_specs(tmp_path / "cases.toml"):
+        assert 0 < LATE_ONSET < replay_start(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", list(LATE_PLANTS), ids=lambda p: p.__name__)
+def test_a_bug_that_starts_late_fails_its_replay(project, plant, monkeypatch):
+    """Bugs that start after step 0 leave the first point alone; the replay of the stored state
+    after their onset is where the comparison is exact again, and it must fail there."""
+    broken_case = LATE_PLANTS[plant]
+    baselines_before = _files(project / "baselines")
+    plant(monkeypatch)
+    status, summary = _run(project, f"late-{plant.__name__}")
+    assert status == 1
+    case = next(c for c in summary["cases"] if c["case"].startswith(f"{broken_case}-"))
+    assert case["status"] == "fail"
+    replayed = [f for f in case["findings"] if f["kind"] == "regression" and "replayed_from" in f["where"]]
+    assert replayed, [f["message"] for f in case["findings"]]
+    first_points = [f for f in case["findings"] if "replayed_from" not in f["where"]
+                    and 0 in (f["where"].get("step"), f["where"].get("train_step"))]
+    assert first_points == []  # the bug starts late: step 0 is as it was
+    assert any(chart.endswith("-replay.png") for chart in case["charts"])
+    assert _files(project / "baselines") == baselines_before
 
 
 @pytest.mark.parametrize("numel", [64 * 256, 512 * 256], ids=["eager", "fused"])
@@ -153,6 +240,7 @@ def test_calibrate_counts_no_false_alarm_on_unchanged_code(project):
         case = next(c for c, _ in labels if c.startswith(case))
         assert {p for c, p in labels if c == case} == {
             *(twin.name for twin in rounding_twins()), "seed 100",
-            *(f"seed {s} left out" for s in ENSEMBLE_SEEDS)}
+            *(f"seed {s} left out" for s in ENSEMBLE_SEEDS),
+            *(f"replay, {twin.name} left out of the tolerance" for twin in rounding_twins())}
     assert all(sum(row["false_alarms"].values()) == 0 for row in table["runs"])
     assert set(table["detectable_change"]) == {c for c, _ in labels}

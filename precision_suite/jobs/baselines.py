@@ -1,5 +1,6 @@
 """Baseline regeneration: train each spec's seed ensemble (and the first step of its first seed
-under each rounding twin) and write the baselines that changed. Used by `precision-suite baseline update` and
+under each rounding twin), then replay its last steps from the state its first seed kept (under
+each rounding twin too), and write the baselines and stored replays that changed. Used by `precision-suite baseline update` and
 by the plugin's --precision-regen; reading, writing and comparing the files is verdicts.baselines.
 """
 
@@ -10,25 +11,48 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import xarray as xr
+
 from precision_suite.jobs.execution import Done, Task, run_tasks
 from precision_suite.jobs.twins import rounding_twins
+from precision_suite.training.replays import has_state, replay_start, split_state
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.baselines import baseline_path, build_ensemble, update_baseline
 from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
+from precision_suite.verdicts.replays import build_replay, replay_path
 
 
 def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Task]:
-    """The runs that make `spec`'s baseline: one per ensemble seed, then the first step of the
-    first seed under each rounding twin (which measures the first-point tolerance). One seed's
-    twins suffice: the tolerance is the largest difference over hundreds of series, and each
-    twin that needs a fresh process costs seconds of start-up."""
+    """The runs that make `spec`'s baseline: one per ensemble seed (the first keeping the state
+    its replays start from, where the case has replays), then the first step of the first seed
+    under each rounding twin (which measures the first-point tolerance). One seed's twins
+    suffice: the tolerance is the largest difference over hundreds of series, and each twin that
+    needs a fresh process costs seconds of start-up."""
     seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
     case = case_id(spec)  # a first-step twin is another case by its own id: progress names this one
-    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}") for seed in seeds]
+    keeps_state = replay_start(spec) is not None
+    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}",
+                  keep_state=keeps_state and seed == seeds[0]) for seed in seeds]
     for twin in rounding_twins():
         first_step = dataclasses.replace(spec, seed=seeds[0], steps=1, **twin.spec_changes)
         tasks.append(Task(first_step, env=twin.env, label=f"{case} seed {seeds[0]} first step, {twin.name}"))
     return tasks
+
+
+def replay_tasks(spec: RunSpec, state: xr.Dataset, seed: int = ENSEMBLE_SEEDS[0]) -> list[Task]:
+    """The replay of `spec`'s last steps from `state`, then the same replay under each rounding
+    twin (which measures the replay's tolerance)."""
+    case, replayed = case_id(spec), dataclasses.replace(spec, seed=seed)
+    tasks = [Task(replayed, label=f"{case} replay", replay_from=state)]
+    for twin in rounding_twins():
+        tasks.append(Task(dataclasses.replace(replayed, **twin.spec_changes), env=twin.env,
+                          label=f"{case} replay, {twin.name}", replay_from=state))
+    return tasks
+
+
+def regeneration_size(spec: RunSpec) -> int:
+    """How many runs and replays `regenerate` trains for `spec` (progress lines count them)."""
+    return len(ensemble_tasks(spec)) + (1 + len(rounding_twins()) if replay_start(spec) is not None else 0)
 
 
 def regenerate(specs: Sequence[RunSpec], baseline_dir: str | os.PathLike, workers: int = 1,
@@ -39,12 +63,30 @@ def regenerate(specs: Sequence[RunSpec], baseline_dir: str | os.PathLike, worker
     is written until every run has finished. Used by the command line and --precision-regen."""
     n_seeds = len(tuple(ENSEMBLE_SEEDS if seeds is None else seeds))
     per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
-    flat = [task for tasks in per_spec for task in tasks]
-    results = run_tasks(flat, workers, progress, scheduler=scheduler)
-    written, start = [], 0
-    for spec, tasks in zip(specs, per_spec):
-        ensemble = build_ensemble(results[start:start + len(tasks)], n_seeds)
-        start += len(tasks)
+    results = _grouped(run_tasks([t for tasks in per_spec for t in tasks], workers, progress, scheduler=scheduler),
+                       per_spec)
+    states: dict[int, xr.Dataset] = {}
+    for index, runs in enumerate(results):
+        if has_state(runs[0]):  # the first seed's run keeps its replays' state
+            runs[0], states[index] = split_state(runs[0])
+    # the replays start from the stored (rounded) state, so they wait for the runs that keep it
+    per_replay = [replay_tasks(specs[index], state, (seeds or ENSEMBLE_SEEDS)[0]) for index, state in states.items()]
+    replayed = _grouped(run_tasks([t for tasks in per_replay for t in tasks], workers, progress,
+                                  scheduler=scheduler), per_replay)
+    written = []
+    for spec, runs in zip(specs, results):
         path = baseline_path(baseline_dir, case_id(spec))
-        written.append((path, update_baseline(ensemble, path)))
+        written.append((path, update_baseline(build_ensemble(runs, n_seeds), path)))
+    for index, (replay, *twins) in zip(states, replayed):
+        path = replay_path(baseline_dir, case_id(specs[index]))
+        written.append((path, update_baseline(build_replay(replay, twins, states[index]), path)))
     return written
+
+
+def _grouped(results: Sequence[xr.Dataset], per_spec: Sequence[Sequence[Task]]) -> list[list[xr.Dataset]]:
+    """`results` of the flattened tasks of `per_spec`, back in one list per spec."""
+    grouped, start = [], 0
+    for tasks in per_spec:
+        grouped.append(list(results[start:start + len(tasks)]))
+        start += len(tasks)
+    return grouped

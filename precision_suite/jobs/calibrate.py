@@ -1,6 +1,8 @@
 """Calibration runs: every selected case under perturbations that must not fail it (its host's
 rounding twins, `jobs.twins`, and held-out seeds), judged against its baseline ensemble, and every
-baseline seed judged against the others; the false alarms counted per metric are written beside
+baseline seed judged against the others; its replay under every rounding twin, judged against the
+stored replay, and again against a tolerance measured without that twin (held out: the stored
+tolerance was measured from the same twins); the false alarms counted per metric are written beside
 the baselines (verdicts.calibration states them in every later report)."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
 from precision_suite.reports import reports
 from precision_suite.training.runs import case_id
 from precision_suite.jobs.twins import rounding_twins
-from precision_suite.verdicts import calibration, ensemble
+from precision_suite.verdicts import calibration, ensemble, replays
 from precision_suite.verdicts.findings import CaseVerdict
 
 
@@ -37,14 +39,23 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     references = {case_id(s): judging.load_reference(baseline_dir, case_id(s), s.to_json(),
                                                      regen_command(selection, baseline_dir, case_id(s)))
                   for s in specs}
-    perturbations = [(twin.name, twin.spec_changes, twin.env) for twin in rounding_twins()]
-    perturbations += [(f"seed {seed}", {"seed": seed}, {}) for seed in held_out_seeds]
+    stored_replays = judging.load_stored_replays(specs, baseline_dir,
+                                                 lambda case: regen_command(selection, baseline_dir, case))
+    twins = [(twin.name, twin.spec_changes, twin.env) for twin in rounding_twins()]
+    perturbations = twins + [(f"seed {seed}", {"seed": seed}, {}) for seed in held_out_seeds]
     runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{case_id(spec)} {label}"))
                      for spec in specs for label, changes, env in perturbations]
-    tasks = [task for _, _, task in runs_to_judge]
-    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations "
-          f"{describe(where, len(tasks))}", file=sys.stderr)
+    # each case's replay under each rounding twin (the replay keeps its stored seed)
+    replays_to_judge = [(case_id(spec), label, Task(dataclasses.replace(spec, **changes, seed=_seed(stored_replays[case_id(spec)])),
+                                                    env, f"{case_id(spec)} replay, {label}",
+                                                    replay_from=stored_replays[case_id(spec)]))
+                        for spec in specs if case_id(spec) in stored_replays for label, changes, env in twins]
+    tasks = [task for _, _, task in runs_to_judge] + [task for _, _, task in replays_to_judge]
+    print(f"calibrating {len(specs)} case(s) x {len(perturbations)} perturbations and {len(replays_to_judge)} "
+          f"replays {describe(where, len(tasks))}", file=sys.stderr)
     results = run_tasks(tasks, where)
+    results, replayed = results[:len(runs_to_judge)], results[len(runs_to_judge):]
+    twin_replays = {(case, label): ds for (case, label, _), ds in zip(replays_to_judge, replayed)}
     folder = judging.report_dir(report_dir)
     verdicts: list[CaseVerdict] = []
     table: list[dict[str, Any]] = []
@@ -52,8 +63,17 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
         case = case_id(spec)
         ds = ds.assign_attrs(case=f"{case} [{label}]")
         save_dataset(ds, folder / "results" / f"{safe_filename(ds.attrs['case'])}.nc")
-        _tabulate(table, verdicts, case, label, judging.judge_case(case, ds, references[case], rules, tolerances,
-                                                                   folder, charts))
+        _tabulate(table, verdicts, case, label, judging.judge_case(
+            case, ds, references[case], rules, tolerances, folder, charts, replay=twin_replays.get((case, label)),
+            stored_replay=stored_replays.get(case) if (case, label) in twin_replays else None))
+    for case, stored in stored_replays.items():  # each twin's replay against the tolerance of the others
+        for label in [label for c, label in twin_replays if c == case]:
+            others = [ds for (c, other), ds in twin_replays.items() if c == case and other != label]
+            held_out = replays.build_replay(replays.stored_metrics(stored), others, xr.Dataset())
+            findings = replays.compare_replay(twin_replays[(case, label)], held_out)
+            _tabulate(table, verdicts, case, f"replay, {label} left out of the tolerance",
+                      CaseVerdict(f"{case} [replay, {label} left out]", "fail" if findings else "pass",
+                                  tuple(findings)))
     for case, reference in references.items():  # free held-out runs: each member against the rest
         if len(ensemble.ensemble_seeds(reference)) < 3:
             continue  # one seed left: no spread to judge by
@@ -76,8 +96,10 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     write_json({"runs": table, **sensitivity}, folder / "calibration.json")
     # beside the baselines it measured, so every later run report can state it
     write_json(measured, calibration.measured_path(baseline_dir))
-    print(f"{len(table)} perturbed runs ({len(tasks)} trained, {len(table) - len(tasks)} members left out of "
-          f"their ensemble), {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
+    members = len(table) - len(runs_to_judge) - len(replays_to_judge)
+    print(f"{len(table)} judged: {len(runs_to_judge)} perturbed runs (with their replays), {len(replays_to_judge)} "
+          f"replays against a tolerance measured without their twin, {members} members left out of their "
+          f"ensemble; {len(failing)} with a FAIL/DRIFT/ERROR (known violations aside)")
     for row in failing:
         print(f"  {row['status'].upper():5} {row['case']} [{row['perturbation']}]")
     for metric, count in alarms_by_metric.items():
@@ -89,6 +111,10 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     print(f"report: {folder / 'index.html'}; table: {folder / 'calibration.json'}; "
           f"summary for later run reports: {calibration.measured_path(baseline_dir)} (commit it)")
     return EXIT_REGRESSION if failing else EXIT_OK
+
+
+def _seed(stored_replay: xr.Dataset) -> int:
+    return int(json.loads(stored_replay.attrs["spec"])["seed"])
 
 
 def _host_fingerprint(ds: xr.Dataset) -> dict[str, Any]:

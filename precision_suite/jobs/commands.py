@@ -10,7 +10,7 @@ from pathlib import Path
 
 from precision_suite.files import save_dataset
 from precision_suite.jobs import judging, results, train
-from precision_suite.jobs.baselines import ensemble_tasks, regenerate
+from precision_suite.jobs.baselines import regenerate, regeneration_size
 from precision_suite.jobs.reproduce import figure_specs, reproduce
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import EXIT_OK, UsageError
@@ -33,14 +33,18 @@ def run_cases(selection: Selection, *, baseline_dir: str, rules_file: str, repor
         case = case_id(spec)
         references[case] = judging.load_reference(baseline_dir, case, spec.to_json(),
                                                   regen_command(selection, baseline_dir, case))
+    stored_replays = judging.load_stored_replays(specs, baseline_dir,
+                                                 lambda case: regen_command(selection, baseline_dir, case))
     folder = judging.report_dir(report_dir)
     verdicts, datasets = [], {}
-    for spec, ds in zip(specs, train.train_all(specs, where)):
+    trained, replayed = train.train_and_replay(specs, stored_replays, where)
+    for spec, ds in zip(specs, trained):
         case = case_id(spec)
         if save_results:
             save_dataset(ds, results.result_path(save_results, case))
         verdicts.append(judging.judge_case(case, ds, references[case], rules, tolerances, folder, charts,
-                                           regen_command(selection, baseline_dir, case)))
+                                           regen_command(selection, baseline_dir, case),
+                                           replay=replayed.get(case), stored_replay=stored_replays.get(case)))
         datasets[case] = ds
     return judging.finish(verdicts, datasets, folder, charts,
                           judging.sensitivity(references, datasets, baseline_dir))
@@ -65,9 +69,9 @@ def update_baselines(selection: Selection, *, baseline_dir: str, workers: int | 
     """Train the selection's seed ensembles and (over)write their baselines."""
     specs = selected_specs(selection)
     where = train.placement(workers, scheduler)
-    n_tasks = sum(len(ensemble_tasks(spec)) for spec in specs)
-    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and the first steps of their rounding "
-          f"twins) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
+    n_tasks = sum(regeneration_size(spec) for spec in specs)
+    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles, the first steps of their rounding "
+          f"twins, replays of their last steps) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
     with train.execution_errors(where):  # raised before any baseline is written
         written = regenerate(specs, baseline_dir, where.workers, train.task_progress(n_tasks),
                              scheduler=where.scheduler)

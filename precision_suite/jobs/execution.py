@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -57,11 +58,15 @@ PROCESS_START_ENV = frozenset({"ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_IN
 @dataclass(frozen=True)
 class Task:
     """One run: its spec, environment variables set around it, and what progress lines call it
-    (default: its case id)."""
+    (default: its case id). `replay_from`: a stored training state to replay the spec's last steps
+    from (training.replays) instead of training the whole run; `keep_state`: the run's dataset
+    carries the state its replays start from (baseline regeneration)."""
 
     spec: RunSpec
     env: Mapping[str, str] = field(default_factory=dict)
     label: str = ""
+    replay_from: xr.Dataset | None = field(default=None, repr=False, compare=False)
+    keep_state: bool = False
 
 
 class ExecutorError(RuntimeError):
@@ -85,19 +90,34 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 def run_task(task: Task) -> xr.Dataset:
     if PROCESS_START_ENV & set(task.env):
         return run_in_fresh_process(task)
-    from precision_suite.training import runs  # lazy: torch loads with a run, not with --help
-
     with _environment(task.env):
-        return runs.run(task.spec)
+        return train_here(task)
+
+
+def train_here(task: Task) -> xr.Dataset:
+    """`task`'s run (or replay) in this process, in the environment it finds."""
+    from precision_suite.training import replays, runs  # lazy: torch loads with a run, not with --help
+
+    if task.replay_from is not None:
+        return replays.replay(task.spec, task.replay_from)
+    if task.keep_state:
+        return replays.run_keeping_state(task.spec)
+    return runs.run(task.spec)
 
 
 def run_in_fresh_process(task: Task) -> xr.Dataset:
     """`task` trained by a new interpreter (`python -m precision_suite.jobs.fresh_run`) started
-    with the task's environment; its dataset comes back through a netCDF file."""
+    with the task's environment; its dataset (and a replay's state) go through netCDF files."""
+    from precision_suite.files import save_dataset
+
     with tempfile.TemporaryDirectory(prefix="precision-suite-run-") as folder:
         out = Path(folder) / "run.nc"
-        done = subprocess.run([sys.executable, "-m", "precision_suite.jobs.fresh_run", str(out)],
-                              input=task.spec.to_json(), text=True, capture_output=True,
+        command = [sys.executable, "-m", "precision_suite.jobs.fresh_run", str(out)]
+        if task.replay_from is not None:
+            command += ["--replay", str(save_dataset(task.replay_from, Path(folder) / "state.nc", compress=False))]
+        if task.keep_state:
+            command.append("--keep-state")
+        done = subprocess.run(command, input=task.spec.to_json(), text=True, capture_output=True,
                               env={**os.environ, **task.env})
         if done.returncode == EXIT_USAGE:  # a bad spec: the same error as in this process
             raise ValueError(done.stderr.strip())
@@ -202,7 +222,7 @@ def _with_local_settings(task: Task) -> Task:
     """`task` carrying this process's PRECISION_SUITE_* settings (user recipes, COMPILE=0), which a
     remote worker does not see otherwise; the task's own env wins."""
     forwarded = {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIX)}
-    return Task(task.spec, {**forwarded, **task.env}, task.label)
+    return dataclasses.replace(task, env={**forwarded, **task.env})
 
 
 def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started: float) -> list[Any]:

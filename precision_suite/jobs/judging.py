@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,9 @@ from precision_suite.jobs.usage import DEFAULT_REPORT_ROOT, DEFAULT_RULES_FILE, 
 from precision_suite.reports import reports
 from precision_suite.reports.charts import plot_drift
 from precision_suite.training import matrix
-from precision_suite.verdicts import baselines, calibration, checks, ensemble, judge
+from precision_suite.training.replays import replay_start
+from precision_suite.training.runs import RunSpec, case_id
+from precision_suite.verdicts import baselines, calibration, checks, ensemble, judge, replays
 from precision_suite.verdicts.findings import CaseVerdict, Finding
 
 
@@ -28,12 +30,21 @@ class PrecisionChartWarning(UserWarning):
 def judge_and_chart(current: xr.Dataset, reference: xr.Dataset | None, *,
                     chart_path: str | Path | None = None, **judging: Any) -> CaseVerdict:
     """`verdicts.judge.judge_case(current, reference, **judging)`, and a drift chart at
-    `chart_path` of any case with a finding other than an error (None: no chart)."""
+    `chart_path` of any case with a finding other than an error (None: no chart); findings of
+    its replay get a chart of the replay against the stored one beside it (`-replay` added)."""
     outcome = judge.judge_case(current, reference, **judging)
-    if chart_path is not None and any(f.kind != "error" for f in outcome.findings):
-        if _draw(current, reference, list(outcome.findings), Path(chart_path)):
-            outcome = dataclasses.replace(outcome, charts=(str(chart_path),))
-    return outcome
+    if chart_path is None:
+        return outcome
+    chart_path, charts = Path(chart_path), []
+    drawn = [f for f in outcome.findings if f.kind != "error"]
+    of_run = [f for f in drawn if not replays.is_replay_finding(f)]
+    of_replay = [f for f in drawn if replays.is_replay_finding(f)]
+    if of_run and _draw(current, reference, of_run, chart_path):
+        charts.append(str(chart_path))
+    replay_chart = chart_path.with_name(f"{chart_path.stem}-replay{chart_path.suffix}")
+    if of_replay and _draw(judging["replay"], judging["stored_replay"], of_replay, replay_chart):
+        charts.append(str(replay_chart))
+    return dataclasses.replace(outcome, charts=tuple(charts)) if charts else outcome
 
 
 def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Finding], path: Path) -> bool:
@@ -48,16 +59,18 @@ def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Find
 
 def judge_case(case: str, current: xr.Dataset, reference: xr.Dataset | None, rules: Sequence[Any],
                tolerances: Mapping[str, Any] | Sequence[Mapping[str, Any]], report_dir: Path,
-               charts: str, regen_hint: str = "") -> CaseVerdict:
-    """The verdict of one case of a command; chart and obtained files are named by the dataset's
-    case label (calibrate labels its perturbations); `charts="none"` draws no drift chart."""
+               charts: str, regen_hint: str = "", replay: xr.Dataset | None = None,
+               stored_replay: xr.Dataset | None = None) -> CaseVerdict:
+    """The verdict of one case of a command (and of its replay against the stored one, when the
+    case has one); chart and obtained files are named by the dataset's case label (calibrate
+    labels its perturbations); `charts="none"` draws no drift chart."""
     name = safe_filename(str(current.attrs.get("case", case)))
     try:
         return judge_and_chart(current, reference, rules=rules, tolerances=tolerances,
                                known=matrix.KNOWN_VIOLATIONS.get(case, ()),
                                chart_path=None if charts == "none" else report_dir / "charts" / f"{name}-drift.png",
                                obtained_path=report_dir / "obtained" / f"{name}.nc",
-                               regen_hint=regen_hint)
+                               regen_hint=regen_hint, replay=replay, stored_replay=stored_replay)
     except ValueError as exc:  # a tolerance override that does not make sense
         raise UsageError(f"tolerances: {exc}") from None
 
@@ -81,6 +94,23 @@ def load_reference(baseline_dir: str, case: str, spec_json: str, regen_hint: str
                                        expected_spec=spec_json, regen_hint=regen_hint)
     except baselines.BaselineError as exc:
         raise UsageError(str(exc)) from None
+
+
+def load_stored_replays(specs: Sequence[RunSpec], baseline_dir: str, regen_hint: Callable[[str], str]
+                        ) -> dict[str, xr.Dataset]:
+    """The stored replay of every spec that has one (a built-in model, run long enough:
+    training.replays.replay_start), by case id; UsageError saying how to create a missing one."""
+    stored = {}
+    for spec in specs:
+        if replay_start(spec) is None:
+            continue
+        case = case_id(spec)
+        try:
+            stored[case] = replays.load_replay(baseline_dir, case, expected_spec=spec.to_json(),
+                                               regen_hint=regen_hint(case))
+        except baselines.BaselineError as exc:
+            raise UsageError(str(exc)) from None
+    return stored
 
 
 def sensitivity(references: Mapping[str, xr.Dataset], datasets: Mapping[str, xr.Dataset],

@@ -4,9 +4,11 @@ way). Errors of execution become one-line UsageErrors."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,10 +41,35 @@ def placement(workers: int | None, scheduler: str | None) -> Placement:
 def train_all(specs: Sequence[RunSpec], where: Placement) -> list[xr.Dataset]:
     """Every spec's run: serially with live per-step progress, or in a pool of worker processes
     or on a Dask cluster with a line per finished case (identical numbers either way)."""
+    return train_and_replay(specs, {}, where)[0]
+
+
+def train_and_replay(specs: Sequence[RunSpec], stored_replays: Mapping[str, xr.Dataset],
+                     where: Placement) -> tuple[list[xr.Dataset], dict[str, xr.Dataset]]:
+    """`train_all`, and each case's replay from its stored state (`stored_replays`, by case id;
+    the replay keeps the stored run's seed, the spec's threads and device): (runs, replays by case)."""
+    replay_tasks = {case: Task(dataclasses.replace(spec, seed=int(json.loads(stored_replays[case].attrs["spec"])["seed"])),
+                               label=f"{case} replay", replay_from=stored_replays[case])
+                    for spec in specs if (case := runs.case_id(spec)) in stored_replays}
     if where.scheduler is None and (where.workers == 1 or len(specs) == 1):
-        return [_train(spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}") for i, spec in enumerate(specs, 1)]
-    print(f"training {len(specs)} case(s) {describe(where, len(specs))}", file=sys.stderr, flush=True)
-    return run_tasks([Task(spec) for spec in specs], where)
+        trained = [_train(spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}") for i, spec in enumerate(specs, 1)]
+        replayed = {case: _replay(task) for case, task in replay_tasks.items()}
+        return trained, replayed
+    print(f"training {len(specs)} case(s) and {len(replay_tasks)} replay(s) {describe(where, len(specs))}",
+          file=sys.stderr, flush=True)
+    results = run_tasks([Task(spec) for spec in specs] + list(replay_tasks.values()), where)
+    return results[:len(specs)], dict(zip(replay_tasks, results[len(specs):]))
+
+
+def _replay(task: Task) -> xr.Dataset:
+    started = time.monotonic()
+    try:
+        with execution_errors(Placement(1)):
+            ds = execution.run_task(task)
+    except UsageError as exc:
+        raise UsageError(f"{task.label}: {exc}") from None
+    print(f"{task.label}: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    return ds
 
 
 def run_tasks(tasks: Sequence[Task], where: Placement) -> list[xr.Dataset]:

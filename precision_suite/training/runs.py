@@ -14,6 +14,8 @@ import json
 import math
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -44,6 +46,7 @@ NOT_CASE_IDENTITY = ("seed", "threads", "device")
 GRAD_CLIP_NORM = 1.0
 
 ProgressFn = Callable[[int, int, float], None]
+StepHook = Callable[["Trainer", int], None]
 
 
 @dataclass(frozen=True)
@@ -245,12 +248,22 @@ def fingerprint(device: torch.device) -> dict[str, object]:
     }
 
 
-def run(spec: RunSpec, progress: ProgressFn | None = None) -> xr.Dataset:
+def run(spec: RunSpec, progress: ProgressFn | None = None,
+        before_step: StepHook | None = None) -> xr.Dataset:
     """Train ``spec`` and return its measurements (schema: docs/architecture.md).
 
-    ``progress(steps_done, total_steps, loss)`` is called after every step. The global torch RNG
-    and the CPU thread count are restored afterwards.
+    ``progress(steps_done, total_steps, loss)`` is called after every step, ``before_step(trainer,
+    step)`` before each (training.replays keeps a state there). The global torch RNG and the CPU
+    thread count are restored afterwards.
     """
+    with seeded(spec) as device:
+        return _train(spec, device, progress, before_step)
+
+
+@contextmanager
+def seeded(spec: RunSpec) -> Iterator[torch.device]:
+    """The context every training of ``spec`` runs in: spec validated, threads pinned, the global
+    torch RNG seeded with its seed (the model init draws from it); both restored afterwards."""
     spec.validate()
     device = resolve_device(spec.device)
     saved_threads = torch.get_num_threads()
@@ -259,7 +272,7 @@ def run(spec: RunSpec, progress: ProgressFn | None = None) -> xr.Dataset:
         # devices=None forks the RNG of every visible CUDA device
         with torch.random.fork_rng(devices=None if device.type == "cuda" else []):
             torch.manual_seed(spec.seed)
-            return _train(spec, device, progress)
+            yield device
     finally:
         torch.set_num_threads(saved_threads)
 
@@ -328,6 +341,15 @@ class Trainer:
         accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
         return loss.item(), accuracy
 
+    def evaluate(self) -> tuple[float, float]:
+        """(loss, accuracy) of the next batch without training on it: what the next step's
+        loss would be, the visible effect of the last update."""
+        inputs, targets = self._batch()
+        with torch.no_grad(), compiling_if(bool(self.compiles)):
+            logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
+            loss = F.cross_entropy(logits, targets)
+        return loss.item(), (logits.argmax(dim=-1) == targets).double().mean().item()
+
 
 def _logits(output: object) -> torch.Tensor:
     """A model's logits: its output, or the ``logits`` field of a Hugging Face style output."""
@@ -338,29 +360,41 @@ def _logits(output: object) -> torch.Tensor:
     return logits
 
 
-def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None) -> xr.Dataset:
+def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None,
+           before_step: StepHook | None) -> xr.Dataset:
     trainer = Trainer(spec, device)
     sampled = set(spec.sampled_steps())
     losses = np.empty(spec.steps)
     accuracies = np.empty(spec.steps)
     tokens = []
     for step in range(spec.steps):
+        if before_step is not None:
+            before_step(trainer, step)
         losses[step], accuracies[step] = trainer.step(step, sample=step in sampled)
         if step in sampled:
             tokens.append(trainer.tokens_seen)
         if progress is not None:
             progress(step + 1, spec.steps, float(losses[step]))
-    attrs: dict[str, object] = {
+    return trained_dataset(trainer, np.arange(spec.steps), losses, accuracies, tokens)
+
+
+def trained_dataset(trainer: Trainer, train_steps: np.ndarray, losses: np.ndarray, accuracies: np.ndarray,
+                tokens: list[int], attrs: dict[str, object] | None = None) -> xr.Dataset:
+    """The dataset of what ``trainer`` recorded: its sampled steps' measurements, with the loss and
+    accuracy of ``train_steps`` and the tokens seen after each sampled step."""
+    spec = trainer.spec
+    attrs = {
         "spec": spec.to_json(),
-        "fingerprint": json.dumps(fingerprint(device), sort_keys=True),
+        "fingerprint": json.dumps(fingerprint(trainer.device), sort_keys=True),
         "package_version": __version__,
+        **(attrs or {}),
     }
     if trainer.config is not None:  # numbers that threshold rules refer to, e.g. "attention_norm <= sqrt(N)"
         attrs.update(N=trainer.config.tokens, d_head=trainer.config.width // trainer.config.heads)
     ds = trainer.recorder.dataset(case=case_id(spec), attrs=attrs)
     return ds.assign_coords(
         tokens=("step", np.array(tokens, dtype=np.int64), {"description": "tokens seen after the step"}),
-        train_step=np.arange(spec.steps, dtype=np.int64),
+        train_step=np.asarray(train_steps, dtype=np.int64),
     ).assign(
         loss=(("train_step",), losses, METRICS["loss"].attrs()),
         accuracy=(("train_step",), accuracies, METRICS["accuracy"].attrs()),

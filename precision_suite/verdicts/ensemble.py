@@ -15,7 +15,7 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
   the more are counted: a count may move by `FIRST_STEP_SAFETY * k * sqrt(count + 1)` elements,
   `k` the largest such change the twins made in the case (at least `FIRST_STEP_FLIPS`). The sum
   of a count metric's changes over the case is held to the noise of that sum as well
-  (`_counts_moved_together`): rounding moves counts both ways, a wrong scale moves all one way.
+  (`counts_moved_together`): rounding moves counts both ways, a wrong scale moves all one way.
 - **trained points** (and every point of a seed outside the ensemble): against the ensemble's
   spread, per series (metric x layer x tensor x layout) in the metric's own space (`SPACES`).
   Each point's z is its distance from the K-seed mean in spreads; the variance of a point is the
@@ -147,13 +147,13 @@ def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str,
 
 
 def first_step_tolerance(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
-    """Per metric that is not a count, FIRST_STEP_SAFETY x the largest first-point difference (in
-    the metric's space) between a run and its rounding twin (same seed), floored by the metric's
-    `first_step_floor`."""
+    """Per metric that is not a count, FIRST_STEP_SAFETY x the largest difference (in the metric's
+    space) between a run and its rounding twin (same seed) at the points they share (a baseline's
+    first point; every point of a replay), floored by the metric's `first_step_floor`."""
     largest = {metric: 0.0 for metric in SPACES if SPACES[metric].kind != "log_count"}
     for reference, twin, metric in _twin_pairs(references, twins, list(largest)):
-        a, b = _first_point(reference, metric), _first_point(twin, metric)
-        d = np.abs(transform(metric, a) - transform(metric, b))
+        a, b = _shared_points(reference, twin, metric)
+        d = np.abs(transform(metric, a.values) - transform(metric, b.values))
         d = d[np.isfinite(d)]
         if d.size:
             largest[metric] = max(largest[metric], float(d.max()))
@@ -162,13 +162,16 @@ def first_step_tolerance(references: Sequence[xr.Dataset], twins: Sequence[xr.Da
 
 
 def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
-    """Per count metric, the largest `|count_twin - count| / sqrt(count + 1)` at the first point
-    over every series and rounding twin: the `k` of the count model (module docstring)."""
+    """Per count metric, the largest `|count_twin - count| / sqrt(count + 1)` at the points a run
+    and its rounding twin share, over every series and twin: the `k` of the count model (module
+    docstring)."""
     counts = [metric for metric in SPACES if SPACES[metric].kind == "log_count"]
     largest = {metric: 0.0 for metric in counts}
     for reference, twin, metric in _twin_pairs(references, twins, counts):
-        c = first_point_counts(reference, metric)
-        d = np.abs(first_point_counts(twin, metric, numel_from=reference) - c) / np.sqrt(np.abs(c) + 1.0)
+        a, b = _shared_points(reference, twin, metric)
+        numel = _numel(reference, a)
+        c = a.values * (1.0 if numel is None else numel)
+        d = np.abs(b.values * (1.0 if numel is None else numel) - c) / np.sqrt(np.abs(c) + 1.0)
         d = d[np.isfinite(d)]
         if d.size:
             largest[metric] = max(largest[metric], float(d.max()))
@@ -185,12 +188,10 @@ def _twin_pairs(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset],
                 yield reference, twin, metric
 
 
-def first_point_counts(ds: xr.Dataset, metric: str, numel_from: xr.Dataset | None = None) -> np.ndarray:
-    """The first point of a count metric as a number of elements (a fraction times the elements
-    it counts; `nonfinite` is a count already)."""
-    values = _first_point(ds, metric)
-    numel = _numel(ds if numel_from is None else numel_from, ds[metric].isel({_time_dim(ds[metric]): 0}))
-    return values if numel is None else values * numel
+def _shared_points(reference: xr.Dataset, twin: xr.Dataset, metric: str) -> tuple[xr.DataArray, xr.DataArray]:
+    """`metric` of both runs on the coordinates they share: a first-step twin has one time point."""
+    a, b = xr.align(reference[metric], twin[metric], join="inner")
+    return a.astype(np.float64), b.astype(np.float64)
 
 
 def count_allowance(count_noise: float, count: np.ndarray | float) -> np.ndarray | float:
@@ -200,11 +201,6 @@ def count_allowance(count_noise: float, count: np.ndarray | float) -> np.ndarray
 
 def _time_dim(da: xr.DataArray) -> str:
     return next(d for d in da.dims if d in TIME_DIMS)
-
-
-def _first_point(ds: xr.Dataset, metric: str) -> np.ndarray:
-    da = ds[metric]
-    return da.isel({_time_dim(da): 0}).values.astype(np.float64)
 
 
 def _numel(ds: xr.Dataset, da: xr.DataArray) -> np.ndarray | None:
@@ -298,9 +294,9 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
                    transform(metric, e, numel), transform(metric, c, numel), c, e, pool, numel)
 
 
-def _n_statistics(all_series: Sequence[_Series]) -> int:
+def _n_statistics(series: Sequence[_Series]) -> int:
     """Statistics a case is judged by: one per series (its median over the trained points)."""
-    return sum(s.cur_y.shape[0] for s in all_series)
+    return sum(s.cur_y.shape[0] for s in series)
 
 
 def trained_threshold(n_series: int, rate: float = FALSE_ALARM_RATE) -> float:
@@ -322,20 +318,21 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     member = seeds.index(seed) if seed in seeds else None
     tol0 = {**json.loads(ensemble.attrs["first_step_tolerance"]),
             **json.loads(ensemble.attrs["first_step_count_noise"])}  # disjoint: counts and the rest
-    all_series = _all_series(current, ensemble)
-    z_crit = trained_threshold(_n_statistics(all_series), rate)
+    case_series = all_series(current, ensemble)
+    z_crit = trained_threshold(_n_statistics(case_series), rate)
     findings: list[Finding] = []
-    for s in all_series:
+    for s in case_series:
         findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
                                   len(seeds), regen_hint)
         if member is not None and SPACES[s.metric].kind == "log_count" and s.ens_y.shape[2] > 0:
-            if (together := _counts_moved_together(case, s, member, seed, float(tol0.get(s.metric, 0.0)),
-                                                   regen_hint)) is not None:
+            if (together := counts_moved_together(case, s, member, 0, float(tol0.get(s.metric, 0.0)), "first point",
+                                                  f"seed {seed} of the baseline", regen_hint, seed)) is not None:
                 findings.append(together)
     return findings
 
 
-def _all_series(current: xr.Dataset, ensemble: xr.Dataset) -> list[_Series]:
+def all_series(current: xr.Dataset, ensemble: xr.Dataset) -> list[_Series]:
+    """One _Series per compared metric that both datasets hold."""
     return [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
             if (s := _series(metric, current, ensemble)) is not None]
 
@@ -408,38 +405,49 @@ def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: fl
 
 def _first_point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any], member: int, seed: Any,
                          tol0: float, regen_hint: str) -> Finding | None:
-    """A regression if the first point moved beyond rounding from the member of the run's seed:
-    counts by the count model in elements, every other metric by `tol0` in its space."""
+    """A regression if the first point moved beyond rounding from the member of the run's seed."""
+    return point_finding(case, s, g, where, member, 0, tol0, "first point", f"seed {seed} of the baseline",
+                         regen_hint, member_seed=seed)
+
+
+def point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any], member: int, t: int, tol0: float,
+                  point: str, against: str, regen_hint: str, member_seed: Any = None) -> Finding | None:
+    """A regression if point `t` of series `g` moved beyond rounding from the reference run
+    `member` (a deterministic comparison: the same start on both sides): counts by the count
+    model in elements, every other metric by `tol0` in its space; a new NaN/Inf fails."""
     space = SPACES[s.metric]
     hint = _changed_hint(regen_hint)
+    numel = 1.0 if s.numel is None else float(s.numel[g, t])
+    ref_v, cur_v = s.ens_values[member, g, t], s.cur_values[g, t]
+    if np.isfinite(ref_v) and not np.isfinite(cur_v):
+        return _finding(case, "regression", s, where, t, g, math.inf, tol0,
+                        f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed)
     if space.kind == "log_count":
-        numel = 1.0 if s.numel is None else float(s.numel[g, 0])
-        ref, cur = s.ens_values[member, g, 0] * numel, s.cur_values[g, 0] * numel
+        ref, cur = ref_v * numel, cur_v * numel
         allowed = float(count_allowance(tol0, ref))
         if not (np.isfinite(ref) and np.isfinite(cur)) or abs(cur - ref) <= allowed:
             return None
         of = "" if s.numel is None else f" of {numel:,.0f}"
-        detail = (f"first point changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in seed "
-                  f"{seed} of the baseline, {cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
-        return _finding(case, "regression", s, where, 0, g,
-                        cur - ref, allowed, detail, member_seed=seed)
-    d = s.cur_y[g, 0] - s.ens_y[member, g, 0]
+        detail = (f"{point} changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in {against}, "
+                  f"{cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
+        return _finding(case, "regression", s, where, t, g, cur - ref, allowed, detail, member_seed=member_seed)
+    d = s.cur_y[g, t] - s.ens_y[member, g, t]
     if not np.isfinite(d) or abs(d) <= tol0:
         return None
-    detail = (f"first point changed beyond rounding ({_y_change(space, d)}, rounding tolerance "
-              f"{_y_change(space, tol0, signed=False)}) against seed {seed} of the baseline: {hint}")
-    return _finding(case, "regression", s, where, 0, g, d, tol0, detail, member_seed=seed)
+    detail = (f"{point} changed beyond rounding ({_y_change(space, d)}, rounding tolerance "
+              f"{_y_change(space, tol0, signed=False)}) against {against}: {hint}")
+    return _finding(case, "regression", s, where, t, g, d, tol0, detail, member_seed=member_seed)
 
 
-def _counts_moved_together(case: str, s: _Series, member: int, seed: Any, count_noise: float,
-                           regen_hint: str) -> Finding | None:
-    """The case-level first-point check of a count metric: the sum of every series' change
-    against the rounding noise of that sum, each series' noise taken as its allowance /
-    FIRST_STEP_SAFETY and the series as independent. Another host moves each count by up to
-    its allowance, up in some series and down in others; a wrong block scale moves a few elements
-    in each series, within its allowance, but every one the same way."""
-    numel = np.ones(len(s.groups)) if s.numel is None else s.numel[:, 0]
-    ref, cur = s.ens_values[member, :, 0] * numel, s.cur_values[:, 0] * numel
+def counts_moved_together(case: str, s: _Series, member: int, t: int, count_noise: float, point: str,
+                          against: str, regen_hint: str, member_seed: Any = None) -> Finding | None:
+    """The case-level deterministic check of a count metric at point `t`: the sum of every
+    series' change against the rounding noise of that sum, each series' noise taken as its
+    allowance / FIRST_STEP_SAFETY and the series as independent. Another host moves each count
+    by up to its allowance, up in some series and down in others; a wrong block scale moves a few
+    elements in each series, within its allowance, but every one the same way."""
+    numel = np.ones(len(s.groups)) if s.numel is None else s.numel[:, t]
+    ref, cur = s.ens_values[member, :, t] * numel, s.cur_values[:, t] * numel
     ok = np.flatnonzero(np.isfinite(ref) & np.isfinite(cur))
     if ok.size < 2:
         return None
@@ -449,11 +457,11 @@ def _counts_moved_together(case: str, s: _Series, member: int, seed: Any, count_
     if abs(z) <= FIRST_STEP_SAFETY:
         return None
     g = int(ok[np.argmax(np.abs(change))])  # the finding points at the series that moved most
-    detail = (f"first point: the case's {s.metric} counts moved together, {change.sum():+,.0f} elements over "
-              f"{ok.size} series against {ref[ok].sum():,.0f} in seed {seed} of the baseline: {z:+.1f} "
+    detail = (f"{point}: the case's {s.metric} counts moved together, {change.sum():+,.0f} elements over "
+              f"{ok.size} series against {ref[ok].sum():,.0f} in {against}: {z:+.1f} "
               f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
               f"{_changed_hint(regen_hint)}")
-    return _finding(case, "regression", s, s.groups[g], 0, g, z, FIRST_STEP_SAFETY, detail, member_seed=seed)
+    return _finding(case, "regression", s, s.groups[g], t, g, z, FIRST_STEP_SAFETY, detail, member_seed=member_seed)
 
 
 def _changed_hint(regen_hint: str) -> str:
@@ -476,11 +484,11 @@ def _finding(case: str, kind: str, s: _Series, where: Mapping[str, Any], t: int,
     ens = s.ens_values[:, g, t]
     finite = ens[np.isfinite(ens)]
     reference = float(np.median(finite)) if finite.size else math.nan
-    seeds_text = (f"{finite.min():.4g}..{finite.max():.4g} over {finite.size} seeds" if finite.size
-                  else "no finite seed")
+    seeds_text = (f" ({finite.min():.4g}..{finite.max():.4g} over {finite.size} seeds)" if finite.size > 1
+                  else "" if finite.size else " (no finite seed)")  # one row: a stored replay
     what = "regressed" if kind == "regression" else "drifted (better)"
     message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value:.4g} vs baseline "
-               f"{reference:.4g} ({seeds_text}); {detail}")
+               f"{reference:.4g}{seeds_text}; {detail}")
     return Finding(case=case, kind=kind, metric=s.metric, where=where, value=value,
                    reference=reference, tolerance=float(tolerance), message=message,
                    score=float(score))
@@ -496,7 +504,7 @@ def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
                                      if all(w.get(k) == v for k, v in where.items())), None)
     if g is None:
         return None
-    z = trained_threshold(_n_statistics(_all_series(current, ensemble)))
+    z = trained_threshold(_n_statistics(all_series(current, ensemble)))
     mean, sd = spread(s, 1)
     numel = _numel(current, current[metric])
     n = None if numel is None else numel.reshape(len(s.groups), -1)[g]
@@ -511,10 +519,10 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
     hides any factor (a series of zeros has no change to detect)."""
     tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
     count_noise = json.loads(ensemble.attrs["first_step_count_noise"])
-    all_series = _all_series(current, ensemble)
-    z = trained_threshold(_n_statistics(all_series))
+    case_series = all_series(current, ensemble)
+    z = trained_threshold(_n_statistics(case_series))
     out = {}
-    for s in all_series:
+    for s in case_series:
         mean, sd = spread(s, 1)
         trained, counted = (sd[:, 1:], mean[:, 1:]) if sd.shape[1] > 1 else (sd, mean)
         space = SPACES[s.metric]

@@ -2,7 +2,7 @@
 (through jobs.judging, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
-with the tolerance table), checks the threshold rules, excuses the threshold findings a known
+with the tolerance table) and the case's replay with its stored replay (deterministic), checks the threshold rules, excuses the threshold findings a known
 violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
 verdicts and draws nothing: charts belong to the reports layer above.
@@ -19,7 +19,7 @@ import xarray as xr
 
 from precision_suite.files import save_dataset
 from precision_suite.training.matrix import KnownViolation
-from precision_suite.verdicts import baselines, checks, ensemble
+from precision_suite.verdicts import baselines, checks, ensemble, replays
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
 
 
@@ -27,10 +27,13 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
                case_rules: Sequence[Any] = (), tolerances: Any = None,
                known: Sequence[KnownViolation] = (),
                obtained_path: str | Path | None = None,
-               regen_hint: str = "", extra_findings: Sequence[Finding] = ()) -> CaseVerdict:
+               regen_hint: str = "", extra_findings: Sequence[Finding] = (),
+               replay: xr.Dataset | None = None, stored_replay: xr.Dataset | None = None) -> CaseVerdict:
     """The verdict of one run. `rules` apply where they match (project rules); `case_rules` were
     written for this case, so one that matches nothing is an error. `reference` with a `seed`
-    dimension is judged by `ensemble.compare_ensemble`, a single run by `baselines.compare`."""
+    dimension is judged by `ensemble.compare_ensemble`, a single run by `baselines.compare`;
+    `replay`, the case's replay from its stored state, by `replays.compare_replay` against
+    `stored_replay`."""
     case = str(current.attrs.get("case", "?"))
     findings = list(extra_findings)
     if reference is not None:
@@ -38,6 +41,13 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings += ensemble.compare_ensemble(current, reference, regen_hint)
         else:
             findings += baselines.compare(current, reference, tolerances)
+    if stored_replay is not None:
+        if replay is None:
+            findings.append(Finding(case=case, kind="error", metric="replay", where={}, value=float("nan"),
+                                    reference=float("nan"), tolerance=float("nan"),
+                                    message=f"{case}: a stored replay exists but the replay was not run"))
+        else:
+            findings += replays.compare_replay(replay, stored_replay, regen_hint)
     findings += checks.check_rules(current, rules, case)
     findings += checks.check_rules(current, case_rules, case, strict=True)
     outcome = verdict(case, excuse(findings, known))
