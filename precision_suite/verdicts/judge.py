@@ -2,7 +2,8 @@
 (through jobs.judging, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
-with the tolerance table), checks the threshold rules, excuses the threshold findings a known
+with the tolerance table), checks the built-in invariants (the GEMMs consumed what their recipe
+declares: `checks.check_operands`) and the threshold rules, excuses the threshold findings a known
 violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
 verdicts and draws nothing: charts belong to the reports layer above.
@@ -38,6 +39,7 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings += ensemble.compare_ensemble(current, reference, regen_hint)
         else:
             findings += baselines.compare(current, reference, tolerances)
+    findings += checks.check_operands(current, case)
     findings += checks.check_rules(current, rules, case)
     findings += checks.check_rules(current, case_rules, case, strict=True)
     outcome = verdict(case, excuse(findings, known))
