@@ -92,21 +92,19 @@ class Operand:
         if consumed.shape != live.shape:
             return torch.tensor(max(consumed.numel(), live.numel()), device=consumed.device)
         if self.fmt == HIGH_PRECISION:
-            admitted = _same_bits(consumed, live)
-        elif self.rounding == "nearest":
-            admitted = _same_bits(consumed, quantization.quantize(live, self.fmt, self.layout).dequantized)
-        else:
-            # A fresh draw cannot equal the consumed one, but a block's scale depends only on its
-            # amax, and stochastic_round's floor(y / q + u) * q, u in [0, 1), lands on the grid point
-            # at or below the scaled value y or on the next one up (y / q + u may round up to it in
-            # float32 even from a point on the grid): nothing else. Compared as values: the draw
-            # turns a -0.0 into +0.0.
-            blocks, fmt = to_blocks(live, self.layout), get_format(self.fmt)
-            admitted = torch.zeros_like(consumed, dtype=torch.bool)
-            for step in (0.0, 1.0):
-                bound = quantization.qdq_blocks(blocks, fmt, rounding=functools.partial(_grid_point, step=step))
-                neighbour = from_blocks(bound.dequantized, *live.shape)
-                admitted |= (consumed == neighbour) | (consumed.isnan() & neighbour.isnan())
+            return _bits_unlike(consumed, live)
+        if self.rounding == "nearest":
+            return _bits_unlike(consumed, quantization.quantize(live, self.fmt, self.layout).dequantized)
+        # A fresh draw cannot equal the consumed one, but a block's scale depends only on its amax,
+        # and stochastic_round's floor(y / q + u) * q, u in [0, 1), lands on the grid point at or
+        # below the scaled value y or on the next one up (y / q + u may round up to it in float32
+        # even from a point on the grid): nothing else. Compared as values: the draw turns a -0.0
+        # into +0.0.
+        blocks, fmt = to_blocks(live, self.layout), get_format(self.fmt)
+        admitted = consumed.isnan() & live.isnan()
+        for step in (0.0, 1.0):
+            bound = quantization.qdq_blocks(blocks, fmt, rounding=functools.partial(_grid_point, step=step))
+            admitted |= consumed == from_blocks(bound.dequantized, *live.shape)
         return (~admitted).sum()
 
     def text(self) -> str:
@@ -116,8 +114,12 @@ class Operand:
         return f"{self.fmt}:{layout}" + (":stochastic" if self.rounding == "stochastic" else "")
 
 
-def _same_bits(a: Tensor, b: Tensor) -> Tensor:
-    return (a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())
+def _bits_unlike(a: Tensor, b: Tensor) -> Tensor:
+    """Elements of `a` that are not `b` bit for bit (NaN matches NaN), a 0-d int64 tensor."""
+    a_bits, b_bits = a.view(torch.int32), b.view(torch.int32)
+    if torch.equal(a_bits, b_bits):  # the usual case, in one pass
+        return torch.zeros((), dtype=torch.int64, device=a.device)
+    return ((a_bits != b_bits) & ~(a.isnan() & b.isnan())).sum()
 
 
 def _grid_point(y: Tensor, element: ElementType, step: float) -> Tensor:
