@@ -198,9 +198,9 @@ def caught(ds, operands: list[str], first_step: int) -> list:
     return findings
 
 
-def changed_training(planted, recipe: str, from_step: int) -> None:
+def changed_training(planted: xr.Dataset, clean: xr.Dataset, from_step: int) -> None:
     """The plant changed what the GEMMs consumed: the loss moves from `from_step` on."""
-    losses, clean = planted["loss"].values, clean_run(recipe)["loss"].values
+    losses, clean = planted["loss"].values, clean["loss"].values
     np.testing.assert_array_equal(losses[:from_step], clean[:from_step])
     assert (losses[from_step:] != clean[from_step:]).all()
 
@@ -213,9 +213,10 @@ def test_a_stale_weight_cache_is_caught_at_the_first_sampled_step_after_the_weig
             return apply(operand, x2d)
         return cache.setdefault((operand, id(x2d)), apply(operand, x2d))
 
+    clean = clean_run("fp8-block")  # before planting: the cache serves the unchanged test too
     plant(monkeypatch, stale)
     ds = small_run("fp8-block")
-    changed_training(ds, "fp8-block", from_step=1)
+    changed_training(ds, clean, from_step=1)
     findings = caught(ds, ["fprop.b", "dgrad.b"], first_step=1)  # dgrad reuses fprop's 128x128 weight
     qkv = next(f for f in findings if f.where == {"module": "blocks.0.attn.qkv", "operand": "fprop.b", "step": 1})
     assert "differ from a fresh e4m3 128x128 quantization of the live tensor" in qkv.message
@@ -229,9 +230,10 @@ def test_a_weight_quantized_along_the_wrong_axis_is_caught(monkeypatch):
             operand = dataclasses.replace(operand, layout=transpose_layout(operand.layout))
         return apply(operand, x2d)
 
+    clean = clean_run("mxfp8")
     plant(monkeypatch, transposed)
     ds = small_run("mxfp8")  # 1x32 weight blocks in fprop, 32x1 in dgrad
-    changed_training(ds, "mxfp8", from_step=0)
+    changed_training(ds, clean, from_step=0)
     caught(ds, ["fprop.b", "dgrad.b"], first_step=0)
 
 
@@ -239,8 +241,9 @@ def test_a_wrong_format_is_caught_on_exactly_the_operands_it_hits(monkeypatch):
     def e5m2(operand, x2d, apply):
         return apply(dataclasses.replace(operand, fmt="e5m2") if operand.fmt == "e4m3" else operand, x2d)
 
+    clean = clean_run("fp8-hybrid")
     plant(monkeypatch, e5m2)
     ds = small_run("fp8-hybrid")  # e4m3 forward and weights, e5m2 gradients (left alone by the plant)
-    changed_training(ds, "fp8-hybrid", from_step=0)
+    changed_training(ds, clean, from_step=0)
     findings = caught(ds, ["fprop.a", "fprop.b", "dgrad.b", "wgrad.b"], first_step=0)
     assert all("differ from a fresh e4m3 tensor quantization" in f.message for f in findings)
