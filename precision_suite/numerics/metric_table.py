@@ -33,7 +33,9 @@ class Space:
 class Metric:
     """One recorded metric. `bad` is the direction that is a regression ("up", "down"), None
     for metrics that are recorded but never compared (mse scales with the tensor and duplicates
-    sqnr_db; batch accuracy moves in steps of 1/batch and duplicates loss)."""
+    sqnr_db; batch accuracy moves in steps of 1/batch and duplicates loss). A metric with a `bad`
+    direction and no `space` is an invariant the verdict checks on its own, never against a
+    baseline (operand_mismatch must be zero)."""
 
     name: str
     long_name: str
@@ -78,6 +80,12 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            None, None, "mean squared error of the reconstruction"),
     Metric("nonfinite", "non-finite element count", "1", "NaN/Inf count", (0.0, float("inf")), "up",
            Space("log_count", 0.0, 0.0), "NaN/Inf elements seen by the probes"),
+    # an invariant, not compared with baselines: any nonzero count fails the case (checks.check_operands)
+    Metric("operand_mismatch", "consumed operand elements unlike a fresh quantization", "1",
+           "elements unlike a fresh quantization", (0.0, float("inf")), "up", None,
+           "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "
+           "live tensor under the operand's declared format and layout (for stochastic rounding: that are "
+           "neither grid neighbour of the live value); nonzero means a stale or wrongly quantized operand"),
     Metric("loss", "training cross-entropy", "nats", "cross-entropy (nats)", (0.0, float("inf")), "up",
            Space("log", 1e-3, 1e-3), "training cross-entropy"),
     Metric("accuracy", "training top-1 accuracy", "1", "fraction correct", _FRACTION, None, None,

@@ -14,7 +14,10 @@ rounding draws from a generator seeded per layer (``set_recipe``): runs stay det
 
 ``QuantLinearFn`` runs the three GEMMs of a linear layer with a recipe's operands; ``set_recipe``
 puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models; every
-``nn.Linear`` of a user's model, without editing it).
+``nn.Linear`` of a user's model, without editing it). While an observer is installed
+(``add_operand_observer``: the recorder's, on sampled steps) it hands each operand it consumed
+to it beside the live tensor it came from, and ``Operand.mismatches`` counts the consumed elements
+that a fresh quantization of the live tensor cannot produce (a stale cache, a wrong axis or format).
 
 Like torchao's recipe configs, each named recipe carries its source, and a Recipe checks itself
 when built. Named recipes: ``fp8-block``, ``fp8-hybrid``, ``mxfp8``, ``nvfp4`` (a plain block
@@ -28,7 +31,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from precision_suite.numerics.formats import get_format
+from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, parse_layout, to_blocks
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
@@ -80,6 +83,30 @@ class Operand:
                                          rounding=lambda y, element: quantization.stochastic_round(y, element, generator))
         return from_blocks(result.dequantized, *x2d.shape)
 
+    def mismatches(self, live: Tensor, consumed: Tensor) -> Tensor:
+        """How many elements of `consumed` (a 0-d int64 tensor) this operand's quantization of `live`
+        cannot have produced. Computed afresh from `live`, never from `apply` or what a layer kept:
+        fp32 must be `live` bit for bit, round-to-nearest a fresh quantization bit for bit (NaN
+        matches NaN), stochastic rounding one of the two draws its law allows (below)."""
+        live, consumed = live.detach().float(), consumed.detach().float()
+        if consumed.shape != live.shape:
+            return torch.tensor(max(consumed.numel(), live.numel()), device=consumed.device)
+        if self.fmt == HIGH_PRECISION:
+            return _bits_unlike(consumed, live)
+        if self.rounding == "nearest":
+            return _bits_unlike(consumed, quantization.quantize(live, self.fmt, self.layout).dequantized)
+        # A fresh draw cannot equal the consumed one, but a block's scale depends only on its amax,
+        # and stochastic_round's floor(y / q + u) * q, u in [0, 1), lands on the grid point at or
+        # below the scaled value y or on the next one up (y / q + u may round up to it in float32
+        # even from a point on the grid): nothing else. Compared as values: the draw turns a -0.0
+        # into +0.0.
+        blocks, fmt = to_blocks(live, self.layout), get_format(self.fmt)
+        admitted = consumed.isnan() & live.isnan()
+        for step in (0.0, 1.0):
+            bound = quantization.qdq_blocks(blocks, fmt, rounding=functools.partial(_grid_point, step=step))
+            admitted |= consumed == from_blocks(bound.dequantized, *live.shape)
+        return (~admitted).sum()
+
     def text(self) -> str:
         if self.fmt == HIGH_PRECISION:
             return HIGH_PRECISION
@@ -87,9 +114,24 @@ class Operand:
         return f"{self.fmt}:{layout}" + (":stochastic" if self.rounding == "stochastic" else "")
 
 
+def _bits_unlike(a: Tensor, b: Tensor) -> Tensor:
+    """Elements of `a` that are not `b` bit for bit (NaN matches NaN), a 0-d int64 tensor."""
+    a_bits, b_bits = a.view(torch.int32), b.view(torch.int32)
+    if torch.equal(a_bits, b_bits):  # the usual case, in one pass
+        return torch.zeros((), dtype=torch.int64, device=a.device)
+    return ((a_bits != b_bits) & ~(a.isnan() & b.isnan())).sum()
+
+
+def _grid_point(y: Tensor, element: ElementType, step: float) -> Tensor:
+    """The element grid point at or below `y` (step 0) or the next one up (step 1), within +-max."""
+    quantum = quantization.element_quantum(y, element)
+    return ((torch.floor(y / quantum) + step) * quantum).clamp(-element.max, element.max)
+
+
 # each GEMM operand of y = x W^T as the tensor role the probes measure it under (probes.py)
 OPERAND_ROLES = {"fprop.a": "activation", "fprop.b": "weight", "dgrad.a": "gradient", "dgrad.b": "weight",
                  "wgrad.a": "gradient_transpose", "wgrad.b": "activation"}
+GEMM_OPERANDS = tuple(OPERAND_ROLES)  # "fprop.a" ... "wgrad.b": the six operands of a linear layer
 
 
 @dataclass(frozen=True)
@@ -140,12 +182,16 @@ class Recipe:
     def uses_stochastic_rounding(self) -> bool:
         return any(op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b))
 
+    def operand(self, where: str) -> Operand:
+        """The operand named `where` ("fprop.a", ..., "wgrad.b": GEMM_OPERANDS)."""
+        gemm, side = where.split(".")
+        return getattr(getattr(self, gemm), side)
+
     def operands(self, in_features: int, out_features: int, tokens: int) -> list[tuple[str, Operand, tuple[int, int]]]:
         """("fprop.a", operand, 2-D shape), ... for the six operands of a linear layer fed `tokens`
         rows, each shaped as the tensor role it is (probes.operand_shapes)."""
         shapes = operand_shapes(in_features, out_features, tokens)
-        return [(where, getattr(getattr(self, gemm), side), shapes[role])
-                for where, role in OPERAND_ROLES.items() for gemm, side in [where.split(".")]]
+        return [(where, self.operand(where), shapes[role]) for where, role in OPERAND_ROLES.items()]
 
     def check_fits(self, in_features: int, out_features: int, tokens: int, what: str) -> None:
         """ValueError when a block is bigger than the operand it would cut."""
@@ -157,11 +203,13 @@ class Recipe:
                     f"({shape[0]}x{shape[1]}) into {layout[0]}x{layout[1]} blocks, bigger than the tensor; "
                     f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
 
-    def quantized_elements(self, in_features: int, out_features: int, tokens: int) -> int:
+    def quantized_elements(self, in_features: int, out_features: int, tokens: int, checked: bool = False) -> int:
         """Elements one training step quantizes through `quantize` (the compilable path) in a
         linear layer fed `tokens` rows: not the stochastically rounded operands (always eager), nor
-        a dgrad weight quantized as in fprop (reused, see QuantLinearFn.backward)."""
-        reused = self.dgrad.b == self.fprop.b
+        a dgrad weight quantized as in fprop (reused, see QuantLinearFn.backward). `checked`: those
+        the check of a sampled step's consumed operands quantizes afresh (`Operand.mismatches`),
+        the reused weight too."""
+        reused = self.dgrad.b == self.fprop.b and not checked
         return sum(math.prod(shape) for where, operand, shape in self.operands(in_features, out_features, tokens)
                    if operand.fmt != HIGH_PRECISION and operand.rounding == "nearest"
                    and not (reused and where == "dgrad.b"))
@@ -296,16 +344,38 @@ def _operand(text: Any) -> Operand:
 
 
 
+# (layer, operand name such as "fprop.b", live tensor, consumed tensor, declared operand)
+OperandObserver = Callable[[nn.Module | None, str, Tensor, Tensor, Operand], None]
+# Process-wide, not a context variable: autograd runs a CUDA backward on a thread of its own.
+_observers: list[OperandObserver] = []
+
+
+def add_operand_observer(observer: OperandObserver) -> Callable[[], None]:
+    """Hand `observer` every operand QuantLinearFn consumes, until the returned function is called.
+    The recorder installs one on sampled steps; with none installed the GEMMs pay one list test."""
+    _observers.append(observer)
+    return lambda: _observers.remove(observer)
+
+
+def _observe(layer: nn.Module | None, recipe: Recipe, *operands: tuple[str, Tensor, Tensor]) -> None:
+    for observer in list(_observers):
+        for where, live, consumed in operands:
+            observer(layer, where, live, consumed, recipe.operand(where))
+
+
 class QuantLinearFn(torch.autograd.Function):
-    """y = x W^T + b whose three GEMMs consume the recipe's quantized operands (module docstring)."""
+    """y = x W^T + b whose three GEMMs consume the recipe's quantized operands (module docstring).
+    `layer`: the module it runs for, named to operand observers."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe | None,
-                generator: torch.Generator | None = None):
+                generator: torch.Generator | None = None, layer: nn.Module | None = None):
         x2d = x.reshape(-1, x.shape[-1])
         if recipe is not None:
             x_used = recipe.fprop.a.apply(x2d, generator)
             weight_used = recipe.fprop.b.apply(weight, generator)
+            if _observers:
+                _observe(layer, recipe, ("fprop.a", x2d, x_used), ("fprop.b", weight, weight_used))
         else:
             x_used, weight_used = x2d, weight
         y = F.linear(x_used, weight_used, bias)
@@ -313,6 +383,7 @@ class QuantLinearFn(torch.autograd.Function):
         # that dgrad takes as fprop did (a square or tensor-wide block): reused
         ctx.save_for_backward(x2d, weight, weight_used)
         ctx.recipe, ctx.generator, ctx.x_shape, ctx.has_bias = recipe, generator, x.shape, bias is not None
+        ctx.layer = layer
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -323,19 +394,22 @@ class QuantLinearFn(torch.autograd.Function):
         if recipe is not None:
             dy_dgrad = recipe.dgrad.a.apply(dy, generator)
             weight_dgrad = weight_used if recipe.dgrad.b == recipe.fprop.b else recipe.dgrad.b.apply(weight, generator)
-            dy_wgrad, x_wgrad = dy, x2d
+            dy_rows, x_rows = dy, x2d  # wgrad's operands before quantization
             if recipe.wgrad.hadamard:
                 matrix = recipe.hadamard_matrix(dy.device)
-                dy_wgrad, x_wgrad = recipe.rotate_tokens(dy, matrix), recipe.rotate_tokens(x2d, matrix)
-            dy_wgrad = recipe.wgrad.a.apply(dy_wgrad, generator)
-            x_wgrad = recipe.wgrad.b.apply(x_wgrad, generator)
+                dy_rows, x_rows = recipe.rotate_tokens(dy, matrix), recipe.rotate_tokens(x2d, matrix)
+            dy_wgrad = recipe.wgrad.a.apply(dy_rows, generator)
+            x_wgrad = recipe.wgrad.b.apply(x_rows, generator)
+            if _observers:
+                _observe(ctx.layer, recipe, ("dgrad.a", dy, dy_dgrad), ("dgrad.b", weight, weight_dgrad),
+                         ("wgrad.a", dy_rows, dy_wgrad), ("wgrad.b", x_rows, x_wgrad))
         else:
             dy_dgrad = dy_wgrad = dy
             weight_dgrad, x_wgrad = weight, x2d
         grad_x = (dy_dgrad @ weight_dgrad).reshape(ctx.x_shape)
         grad_weight = dy_wgrad.t() @ x_wgrad
         grad_bias = dy.sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 class QuantLinear(nn.Linear):
@@ -349,7 +423,7 @@ class QuantLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.recipe is None:
             return F.linear(x, self.weight, self.bias)
-        return QuantLinearFn.apply(x, self.weight, self.bias, self.recipe, self.generator)
+        return QuantLinearFn.apply(x, self.weight, self.bias, self.recipe, self.generator, self)
 
 
 def recipe_layers(model: nn.Module) -> list[nn.Linear]:
@@ -382,5 +456,15 @@ def set_recipe(model: nn.Module, recipe: Recipe | Scheme | None, seed: int = 0) 
             module.forward = functools.partial(_recipe_forward, module, recipe, generator)
 
 
+def layer_recipe(module: nn.Module) -> Recipe | None:
+    """The recipe `set_recipe` put on `module` (None: plain float GEMMs)."""
+    if isinstance(module, QuantLinear):
+        return module.recipe
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _recipe_forward:
+        return forward.args[1]
+    return None
+
+
 def _recipe_forward(module: nn.Linear, recipe: Recipe, generator: torch.Generator | None, x: Tensor) -> Tensor:
-    return QuantLinearFn.apply(x, module.weight, module.bias, recipe, generator)
+    return QuantLinearFn.apply(x, module.weight, module.bias, recipe, generator, module)

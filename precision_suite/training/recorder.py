@@ -17,6 +17,13 @@ the wgrad GEMM's operand). Each (module, tensor role, layout) keeps additive sum
 (``metrics.QuantStats``); per-layer numbers are those sums added over a block's modules
 (``views.py``), so both levels come from one measurement.
 
+Operands consumed: on a sampled step the recorder also observes every operand a recipe's
+``QuantLinearFn`` consumes in a selected module (``recipes.add_operand_observer``) and counts the
+elements that differ from a fresh quantization of the live tensor under the operand's declared
+format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, operand)``, which
+must be zero (verdicts.checks.check_operands). Modules no recipe quantizes count nothing
+(``operand_numel`` 0).
+
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
 for custom kernels; the built-in models have one) is handed phi(S) directly. Elsewhere, calls to
 ``F.scaled_dot_product_attention`` (causal or masked, grouped-query heads) are intercepted on
@@ -28,6 +35,7 @@ value goes to the innermost module running at the time (e.g. ``model.layers.3.se
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from collections import defaultdict
@@ -44,7 +52,8 @@ from torch.overrides import TorchFunctionMode
 
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
 from precision_suite.training.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
-from precision_suite.training.views import run_dataset
+from precision_suite.training.recipes import GEMM_OPERANDS, Operand, add_operand_observer, layer_recipe
+from precision_suite.training.views import OperandCounts, run_dataset
 
 WeightReader = Callable[[nn.Module], Tensor]
 
@@ -109,6 +118,7 @@ class Recorder:
         self.model, self.attention, self.sample_every = model, attention, sample_every
         self.gemms = _select_gemms(model, modules)
         self.names = {id(module): name for name, module in model.named_modules()}
+        self._gemm_names = {id(module): name for name, (module, _) in self.gemms.items()}
         self.taps = [(name, module) for name, module in model.named_modules() if hasattr(module, "attention_tap")]
         # per scheme, role -> (layout label, layout): worked out once, not per tensor
         self._measured = [(s.fmt, {role: (s.role_labels()[role], layout) for role, layout in s.role_layouts().items()})
@@ -117,9 +127,13 @@ class Recorder:
         self.steps: list[int] = []
         self._sums: list[dict[tuple[str, str, str], QuantStats]] = []
         self._attention: list[dict[str, list[float]]] = []
+        # per step, (module, operand) -> (mismatched elements, a 0-d tensor; elements compared)
+        self._operands: list[dict[tuple[str, str], tuple[Tensor, int]]] = []
+        self._declared: dict[str, dict[str, None]] = defaultdict(dict)  # operand -> its Operand.text()s
         self._stack: list[str] = []  # names of the modules running now (attention attribution)
         self._handles: list[Any] = []
         self._sampling = False  # inside a sampled step
+        self._stop_observing: Callable[[], None] | None = None
         self._current_attention: dict[str, list[float]] = defaultdict(list)
         self.tokens = 0  # N: the largest attention matrix seen (bounds such as sqrt(N) need it)
 
@@ -137,7 +151,8 @@ class Recorder:
         sums: dict[tuple[str, str, str], QuantStats] = {}
         attention: dict[str, list[float]] = defaultdict(list)
         intercepted: dict[str, list[float]] = defaultdict(list)
-        self._attach(sums, attention, intercepted)
+        operands: dict[tuple[str, str], tuple[Tensor, int]] = {}
+        self._attach(sums, attention, intercepted, operands)
         try:
             with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext():
                 yield True
@@ -150,6 +165,7 @@ class Recorder:
         self.steps.append(int(index))
         self._sums.append(sums)
         self._attention.append(dict(attention))
+        self._operands.append(operands)
 
     def record_attention(self, attention: Tensor, module: str | nn.Module | None = None) -> None:
         """Record phi(S) (..., N, N) of a custom kernel for ``module`` (default: the innermost
@@ -164,8 +180,9 @@ class Recorder:
         into[name].append(_attention_norm(attention))
         self.tokens = max(self.tokens, attention.shape[-1])
 
-    def _attach(self, sums: dict, attention: dict, intercepted: dict) -> None:
+    def _attach(self, sums: dict, attention: dict, intercepted: dict, operands: dict) -> None:
         self._current_attention = attention
+        self._stop_observing = add_operand_observer(functools.partial(self._check_operand, operands))
         for name, (module, read_weight) in self.gemms.items():
             self._handles.append(module.register_forward_hook(self._gemm_hook(name, read_weight, sums)))
         for name, module in self.taps:
@@ -184,11 +201,25 @@ class Recorder:
         self._stack.pop()
 
     def _detach(self) -> None:
+        if self._stop_observing is not None:
+            self._stop_observing()
+            self._stop_observing = None
         for handle in self._handles:
             handle.remove()
         for _, module in self.taps:
             module.attention_tap = None
         self._handles, self._stack, self._sampling = [], [], False
+
+    def _check_operand(self, into: dict, layer: nn.Module | None, where: str, live: Tensor, consumed: Tensor,
+                       operand: Operand) -> None:
+        name = self._gemm_names.get(id(layer))
+        if name is None:  # not a selected module
+            return
+        with _outside_capture():
+            count = operand.mismatches(live, consumed)
+        self._declared[where][operand.text()] = None
+        mismatched, numel = into.get((name, where), (0, 0))  # a module called twice in a step: counts add
+        into[name, where] = (mismatched + count, numel + consumed.numel())
 
     def _gemm_hook(self, name: str, read_weight: WeightReader, sums: dict) -> Callable:
         def add(role: str, tensor: Tensor) -> None:
@@ -217,12 +248,16 @@ class Recorder:
         return hook
 
     def measured_elements(self, tokens: int) -> int:
-        """Elements one sampled step measures when every selected GEMM is fed `tokens` rows."""
-        total = 0
+        """Elements one sampled step measures when every selected GEMM is fed `tokens` rows: the
+        probes', and the fresh quantizations that check a recipe's consumed operands."""
+        total = checked = 0
         for module, read_weight in self.gemms.values():
             out_features, in_features = read_weight(module).shape
             total += sum(math.prod(shape) for shape in operand_shapes(in_features, out_features, tokens).values())
-        return total * len(self.schemes)
+            recipe = layer_recipe(module)
+            if recipe is not None:
+                checked += recipe.quantized_elements(in_features, out_features, tokens, checked=True)
+        return total * len(self.schemes) + checked
 
     # -- results -----------------------------------------------------------------------------
     def dataset(self, case: str = "run", attrs: Mapping[str, Any] | None = None) -> xr.Dataset:
@@ -254,7 +289,17 @@ class Recorder:
                 norms[i, attention_index[name]] = float(np.mean(values))
         first_labels = [self.schemes[0].role_labels()[role] for role in TENSOR_ROLES]
         attrs = {**({"N": self.tokens} if self.tokens else {}), **(attrs or {})}
-        return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs)
+        return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs,
+                           operands=self._operand_counts(where))
+
+    def _operand_counts(self, where: Mapping[str, int]) -> OperandCounts:
+        counts = np.zeros((len(self.steps), len(where), len(GEMM_OPERANDS), 2), dtype=np.int64)
+        index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
+        for i, step_counts in enumerate(self._operands):
+            for (module, operand), (mismatched, numel) in step_counts.items():
+                counts[i, where[module], index[operand]] = int(mismatched), numel
+        declared = ["|".join(self._declared.get(name, ())) for name in GEMM_OPERANDS]
+        return OperandCounts(GEMM_OPERANDS, counts[..., 0], counts[..., 1], declared)
 
     def remove(self) -> None:
         """Detach everything (a sampled step in progress is abandoned)."""

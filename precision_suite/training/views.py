@@ -11,7 +11,7 @@ Both go through ``metrics.metrics_from_sums``, the one definition of every metri
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -23,6 +23,16 @@ from precision_suite.training.probes import TENSOR_ROLES
 
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")
+OPERAND_VARIABLES = ("operand_mismatch", "operand_numel")  # per module already: the module view keeps them
+
+
+class OperandCounts(NamedTuple):
+    """What the recorder counted of the operands the recipe's GEMMs consumed."""
+
+    operands: Sequence[str]  # "fprop.a", ..., "wgrad.b"
+    mismatch: np.ndarray  # (step, module, operand) int64: elements unlike a fresh quantization
+    numel: np.ndarray  # (step, module, operand) int64: elements compared (0: nothing consumed)
+    declared: Sequence[str]  # per operand, the declared Operand.text() ("" where none was seen)
 
 
 def layer_index(name: str) -> int:
@@ -36,12 +46,14 @@ def layer_index(name: str) -> int:
 
 def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[str], sums: np.ndarray,
                 attention_modules: Sequence[str], attention_norms: np.ndarray,
-                first_labels: Sequence[str], case: str, attrs: Mapping[str, Any]) -> xr.Dataset:
+                first_labels: Sequence[str], case: str, attrs: Mapping[str, Any],
+                operands: OperandCounts | None = None) -> xr.Dataset:
     """The schema-3 dataset (docs/architecture.md).
 
     sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
     attention_norms: (step, attention module), NaN where nothing was recorded.
     first_labels: per tensor role, the layout label of the first scheme (its NaN/Inf count).
+    operands: the consumed operands' counts (docs/runs.md), when recorded.
     """
     module_layer = np.array([layer_index(m) for m in modules], dtype=np.int64)
     attention_layer = np.array([layer_index(m) for m in attention_modules], dtype=np.int64)
@@ -67,6 +79,16 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         coords["attention_module"] = np.array(attention_modules, dtype=object)
         coords["attention_module_layer"] = ("attention_module", attention_layer,
                                             {"description": "block index of the attention module"})
+    if operands is not None:
+        operand_dims = ("step", "module", "operand")
+        data_vars["operand_mismatch"] = (operand_dims, operands.mismatch, METRICS["operand_mismatch"].attrs())
+        data_vars["operand_numel"] = (operand_dims, operands.numel, {
+            "long_name": "consumed operand elements compared", "units": "1",
+            "description": "elements of each GEMM operand the recipe consumed and the recorder compared "
+                           "(0: the module consumed no recipe operand)"})
+        coords["operand"] = np.array(operands.operands, dtype=object)
+        coords["operand_declared"] = ("operand", np.array(operands.declared, dtype=object), {
+            "description": "the recipe's declared format:layout[:stochastic] of each operand, or fp32"})
     layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
     if layers:
         coords["layer"] = np.array(layers, dtype=np.int64)
@@ -97,6 +119,9 @@ def module_view(ds: xr.Dataset) -> xr.Dataset:
             "attention_module_layer", errors="ignore")
         view = xr.merge([view, norms.to_dataset(name="attention_norm")], join="outer",
                         combine_attrs="override")
+    present = [name for name in OPERAND_VARIABLES if name in ds]
+    if present:
+        view = view.assign({name: ds[name].drop_vars("module_layer") for name in present})
     if "tokens" in ds.coords:
         view = view.assign_coords(tokens=("step", ds["tokens"].values))
     return view

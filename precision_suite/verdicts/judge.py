@@ -2,7 +2,9 @@
 (through jobs.judging, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
-with the tolerance table) and the case's replay with its stored replay (deterministic), checks the threshold rules, excuses the threshold findings a known
+with the tolerance table) and the case's replay with its stored replay (deterministic), checks
+the built-in invariants (the GEMMs consumed what their recipe declares: `checks.check_operands`,
+in the run and its replay) and the threshold rules, excuses the threshold findings a known
 violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
 verdicts and draws nothing: charts belong to the reports layer above.
@@ -48,6 +50,9 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
                                     message=f"{case}: a stored replay exists but the replay was not run"))
         else:
             findings += replays.compare_replay(replay, stored_replay, regen_hint)
+    findings += checks.check_operands(current, case)
+    if replay is not None:
+        findings += [replays.mark_replayed(f, int(replay.attrs["replayed_from"])) for f in checks.check_operands(replay, case)]
     findings += checks.check_rules(current, rules, case)
     findings += checks.check_rules(current, case_rules, case, strict=True)
     outcome = verdict(case, excuse(findings, known))

@@ -82,10 +82,11 @@ def compare_replay(current: xr.Dataset, stored: xr.Dataset, regen_hint: str = ""
                 if found is not None:
                     findings.append(found)
                     break
-    return [_marked(f, start) for f in findings]
+    return [mark_replayed(f, start) for f in findings]
 
 
-def _marked(finding: Finding, start: int) -> Finding:
+def mark_replayed(finding: Finding, start: int) -> Finding:
+    """`finding`, its `where` saying it was found in the replay from step `start`."""
     return dataclasses.replace(finding, where={REPLAY_WHERE: start, **finding.where})
 
 
