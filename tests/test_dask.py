@@ -218,8 +218,8 @@ def test_cli_run_on_the_cluster_passes_against_serial_baselines(cluster, serial,
                      "--baseline-dir", str(serial / "baselines"), "--save-results", "results",
                      "--report-dir", "out"]) == 0
     captured = capsys.readouterr()
-    assert f"training 1 case(s) on the Dask cluster at {cluster.address}" in captured.err
-    assert f"[1/1] {CASE} (" in captured.err  # a progress line per finished case
+    assert f"training 1 case(s) and 1 replay(s) on the Dask cluster at {cluster.address}" in captured.err
+    assert f"/2] {CASE} (" in captured.err and f"/2] {CASE} replay (" in captured.err  # a line per finished run
     assert f"PASS  {CASE}" in captured.out
     xr.testing.assert_identical(files.load_dataset(workdir / "results" / f"{CASE}.nc"),
                                 files.load_dataset(serial / "runs" / f"{CASE}.nc"))
@@ -255,10 +255,15 @@ def test_a_worker_killed_mid_run_is_retried_and_the_baselines_are_whole(cluster,
         lambda dask_scheduler: [t[0] for t in dask_scheduler.story(*lost) if t[2] == "processing"])
     assert all(started.count(key) >= 2 for key in lost), started
     # the lost runs were retried on the other workers and give the serial numbers; the folder holds
-    # the baseline and nothing else (no temp file of an interrupted write)
-    assert [p.name for p in (workdir / "baselines").iterdir()] == [f"{CASE}.nc"]
-    xr.testing.assert_identical(files.load_dataset(workdir / "baselines" / f"{CASE}.nc"),
-                                files.load_dataset(serial / "baselines" / f"{CASE}.nc"))
+    # the baseline, its stored replay and nothing else (no temp file of an interrupted write)
+    assert _files(workdir / "baselines") == [f"replays/{CASE}.nc", f"{CASE}.nc"]
+    for name in _files(workdir / "baselines"):
+        xr.testing.assert_identical(files.load_dataset(workdir / "baselines" / name),
+                                    files.load_dataset(serial / "baselines" / name))
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
 # --------------------------------------------------------------------------- bad usage
@@ -349,7 +354,7 @@ def test_without_dask_installed_the_scheduler_flag_says_what_to_install(serial, 
     assert 'precision-suite: error: --scheduler: running on a Dask cluster needs dask.distributed, ' \
            'which is not installed' in err
     assert 'install it with: pip install "precision-suite[dask]"' in err and "Traceback" not in err
-    assert [p.name for p in (workdir / "baselines").iterdir()] == [f"{CASE}.nc"]
+    assert _files(workdir / "baselines") == [f"replays/{CASE}.nc", f"{CASE}.nc"]
     assert (workdir / "baselines" / f"{CASE}.nc").read_bytes() == before
 
 
