@@ -213,3 +213,44 @@ def test_each_member_left_out_is_judged_as_a_seed_outside_the_rest():
         assert compare_ensemble(member, others) == []
     with pytest.raises(EnsembleError, match="leaves no spread"):
         leave_one_out(ensemble.isel(seed=[0, 1]))
+
+
+def test_the_case_level_band_is_a_student_t_band_that_tends_to_the_normal_one():
+    from precision_suite.verdicts.ensemble import mean_z_band, z_threshold
+
+    metrics = len(SPACES)
+    bands = [mean_z_band(1.0, n, metrics) for n in (3, 6, 30, 10**6)]
+    assert bands == sorted(bands, reverse=True)  # fewer null runs: a wider band
+    assert bands[-1] == pytest.approx(z_threshold(metrics), rel=1e-4)  # t with infinite df is normal
+    assert mean_z_band(2.0, 6, metrics) == pytest.approx(2 * bands[1])
+
+
+def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_alone():
+    """A change that moves every series of a metric by less than the series band, but the mean
+    of their medians beyond its band measured from runs of other seeds."""
+    from precision_suite.verdicts.baselines import build_ensemble
+    from precision_suite.verdicts.ensemble import (_series, all_series, mean_z_band, series_median_z, spread,
+                                                   trained_threshold)
+
+    held_out = (4, 5)
+    ensemble = build_ensemble([make_run_dataset(seed=s) for s in (*SEEDS, *held_out)], len(SEEDS), len(held_out))
+    sigma, n = json.loads(ensemble.attrs["trained_mean_z_spread"])["distortion"]
+    band = mean_z_band(sigma, int(n), len(json.loads(ensemble.attrs["trained_mean_z_spread"])))
+    current = make_run_dataset(seed=100)
+    assert compare_ensemble(current, ensemble) == []
+    s = _series("distortion", current, ensemble)
+    medians = series_median_z(s)
+    shift = band - float(np.nanmean(medians)) + 0.5  # spreads added to every trained point
+    series_band = trained_threshold(sum(len(x.groups) for x in all_series(current, ensemble)))
+    assert np.nanmax(medians) + shift < series_band  # no series alone beyond its band
+    _, sd = spread(s, 1)
+    one_minus = np.exp(np.log(1.0 - s.cur_values) + shift * sd)  # y = ln(1 - cos): up is worse
+    moved = current.copy(deep=True)
+    order = [d for d in moved["distortion"].dims if d != "step"] + ["step"]
+    values = moved["distortion"].transpose(*order).values.reshape(len(s.groups), -1)
+    values[:, 1:] = 1.0 - one_minus[:, 1:]
+    moved["distortion"] = moved["distortion"].transpose(*order).copy(data=values.reshape(
+        moved["distortion"].transpose(*order).shape)).transpose(*current["distortion"].dims)
+    findings = compare_ensemble(moved, ensemble)
+    assert [(f.kind, f.metric) for f in findings] == [("regression", "distortion")]
+    assert "case level" in findings[0].message and "moved together" in findings[0].message

@@ -42,6 +42,7 @@ from precision_suite.files import safe_filename
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts import calibration
 from precision_suite.verdicts.baselines import baseline_path
+from precision_suite.verdicts.replays import replay_path
 
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -218,6 +219,18 @@ def test_missing_baseline_regen_then_pass(inner):
     written = path.read_bytes()
     assert "baseline written" not in inner.runpytest_subprocess("--precision-regen").stdout.str()
     assert path.read_bytes() == written
+
+
+def test_a_check_replays_its_stored_state_and_a_missing_replay_is_an_error(inner):
+    make_check(inner)
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
+    stored = replay_path(inner.path / "baselines", CASE)
+    assert stored.is_file()  # regeneration stores the replay beside the ensemble
+    inner.runpytest_subprocess().assert_outcomes(passed=1)
+    stored.unlink()
+    missing = inner.runpytest_subprocess()
+    missing.assert_outcomes(failed=1)
+    missing.stdout.fnmatch_lines([f"*no baseline {stored}*create it with: pytest '{NODE}' --precision-regen*"])
 
 
 def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, monkeypatch):

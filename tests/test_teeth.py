@@ -70,8 +70,8 @@ def missing_score_scaling(monkeypatch):
 LATE_ONSET = 3  # a trained step before the small cases' replays (steps 4 and 5 of 6)
 
 
-def switched_on_late(monkeypatch, plant):
-    """`plant` in force from training step LATE_ONSET on (in runs and replays alike)."""
+def switched_on_late(monkeypatch, plant, onset: int = LATE_ONSET):
+    """`plant` in force from training step `onset` on (in runs and replays alike)."""
     original_step = runs.Trainer.step
     original_scales = quantization.block_scales
     with monkeypatch.context() as planted:
@@ -85,7 +85,7 @@ def switched_on_late(monkeypatch, plant):
 
     monkeypatch.setattr(runs.Trainer, "step", step)
     monkeypatch.setattr(quantization, "block_scales", lambda *args, **kwargs: (
-        broken_scales if state["step"] >= LATE_ONSET else original_scales)(*args, **kwargs))
+        broken_scales if state["step"] >= onset else original_scales)(*args, **kwargs))
 
 
 def wrong_scale_from_a_trained_step(monkeypatch):

@@ -18,13 +18,14 @@ from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training.replays import has_state, replay_start, split_state
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.baselines import baseline_path, build_ensemble, update_baseline
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from precision_suite.verdicts.replays import build_replay, replay_path
 
 
 def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Task]:
     """The runs that make `spec`'s baseline: one per ensemble seed (the first keeping the state
-    its replays start from, where the case has replays), then the first step of the first seed
+    its replays start from, where the case has replays), one per held-out seed (the null samples
+    of the case-level trained check), then the first step of the first seed
     under each rounding twin (which measures the first-point tolerance). One seed's twins
     suffice: the tolerance is the largest difference over hundreds of series, and each twin that
     needs a fresh process costs seconds of start-up."""
@@ -33,10 +34,17 @@ def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Ta
     keeps_state = replay_start(spec) is not None
     tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}",
                   keep_state=keeps_state and seed == seeds[0]) for seed in seeds]
+    tasks += [Task(dataclasses.replace(spec, seed=seed), label=f"{case} held-out seed {seed}")
+              for seed in held_out_seeds(seeds)]
     for twin in rounding_twins():
         first_step = dataclasses.replace(spec, seed=seeds[0], steps=1, **twin.spec_changes)
         tasks.append(Task(first_step, env=twin.env, label=f"{case} seed {seeds[0]} first step, {twin.name}"))
     return tasks
+
+
+def held_out_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+    """The seeds trained beside an ensemble of `seeds` for its case-level trained check."""
+    return tuple(seed for seed in MEAN_Z_HELD_OUT_SEEDS if seed not in seeds)
 
 
 def replay_tasks(spec: RunSpec, state: xr.Dataset, seed: int = ENSEMBLE_SEEDS[0]) -> list[Task]:
@@ -61,7 +69,8 @@ def regenerate(specs: Sequence[RunSpec], baseline_dir: str | os.PathLike, worker
     """Train every spec's ensemble (all cases' runs share one pool, or the Dask cluster at
     `scheduler`) and write each baseline that changed; returns (path, written) per spec. Nothing
     is written until every run has finished. Used by the command line and --precision-regen."""
-    n_seeds = len(tuple(ENSEMBLE_SEEDS if seeds is None else seeds))
+    seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
+    n_seeds, n_held_out = len(seeds), len(held_out_seeds(seeds))
     per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
     results = _grouped(run_tasks([t for tasks in per_spec for t in tasks], workers, progress, scheduler=scheduler),
                        per_spec)
@@ -70,13 +79,13 @@ def regenerate(specs: Sequence[RunSpec], baseline_dir: str | os.PathLike, worker
         if has_state(runs[0]):  # the first seed's run keeps its replays' state
             runs[0], states[index] = split_state(runs[0])
     # the replays start from the stored (rounded) state, so they wait for the runs that keep it
-    per_replay = [replay_tasks(specs[index], state, (seeds or ENSEMBLE_SEEDS)[0]) for index, state in states.items()]
+    per_replay = [replay_tasks(specs[index], state, seeds[0]) for index, state in states.items()]
     replayed = _grouped(run_tasks([t for tasks in per_replay for t in tasks], workers, progress,
                                   scheduler=scheduler), per_replay)
     written = []
     for spec, runs in zip(specs, results):
         path = baseline_path(baseline_dir, case_id(spec))
-        written.append((path, update_baseline(build_ensemble(runs, n_seeds), path)))
+        written.append((path, update_baseline(build_ensemble(runs, n_seeds, n_held_out), path)))
     for index, (replay, *twins) in zip(states, replayed):
         path = replay_path(baseline_dir, case_id(specs[index]))
         written.append((path, update_baseline(build_replay(replay, twins, states[index]), path)))

@@ -42,14 +42,20 @@ def judge_and_chart(current: xr.Dataset, reference: xr.Dataset | None, *,
     if of_run and _draw(current, reference, of_run, chart_path):
         charts.append(str(chart_path))
     replay_chart = chart_path.with_name(f"{chart_path.stem}-replay{chart_path.suffix}")
-    if of_replay and _draw(judging["replay"], judging["stored_replay"], of_replay, replay_chart):
-        charts.append(str(replay_chart))
+    if of_replay:
+        replay = judging["replay"]
+        label = f"{current.attrs.get('case', '')} replay from step {replay.attrs.get('replayed_from')}"
+        # no band: the replay's tolerance is a rounding allowance, drawn in the findings' text
+        if _draw(replay.assign_attrs(case=label), judging["stored_replay"], of_replay, replay_chart,
+                 band=lambda metric, reference: None):
+            charts.append(str(replay_chart))
     return dataclasses.replace(outcome, charts=tuple(charts)) if charts else outcome
 
 
-def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Finding], path: Path) -> bool:
+def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Finding], path: Path,
+          band: Any = None) -> bool:
     try:
-        plot_drift(current, reference, findings, path=path)
+        plot_drift(current, reference, findings, path=path, band=band)
     except Exception as err:  # a broken chart must not hide the numerics verdict
         warnings.warn(PrecisionChartWarning(f"no chart for {current.attrs.get('case')}: "
                                             f"{type(err).__name__}: {err}"), stacklevel=3)

@@ -25,7 +25,7 @@ import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter
+from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from precision_suite.files import atomic_file
 from precision_suite.numerics.metric_table import METRICS
@@ -405,6 +405,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
 
     ax.set_title(panel.title)
     ax.set_xlabel(X_LABELS.get(x_dim, ""))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: a replay spans two or three
     ax.set_ylabel(_axis_label(panel.metric))
     if panel.metric == "attention_norm":
         ax.set_yscale("log")

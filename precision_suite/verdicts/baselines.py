@@ -25,8 +25,8 @@ import xarray as xr
 
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
 from precision_suite.numerics.metric_table import METRICS
-from precision_suite.verdicts.ensemble import (EnsembleError, check_ensemble, first_step_count_noise,
-                                              first_step_tolerance, make_ensemble)
+from precision_suite.verdicts.ensemble import (EnsembleError, case_mean_z, check_ensemble, first_step_count_noise,
+                                              first_step_tolerance, leave_one_out, make_ensemble, mean_z_spread)
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
@@ -461,7 +461,15 @@ def _error(case: str, metric: str, message: str) -> Finding:
 # --------------------------------------------------------------------------- seed ensembles
 
 
-def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int) -> xr.Dataset:
-    """The ensemble baseline from the results of `jobs.baselines.ensemble_tasks` (in their order)."""
-    runs, twins = list(results[:n_seeds]), list(results[n_seeds:])
-    return make_ensemble(runs, first_step_tolerance(runs, twins), first_step_count_noise(runs, twins))
+def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int, n_held_out: int = 0) -> xr.Dataset:
+    """The ensemble baseline from the results of `jobs.baselines.ensemble_tasks` (in their order:
+    the ensemble's seeds, held-out seeds, rounding twins). The held-out seeds and each member left
+    out of the others are the null samples of the case-level trained check."""
+    runs, held_out = list(results[:n_seeds]), list(results[n_seeds:n_seeds + n_held_out])
+    twins = list(results[n_seeds + n_held_out:])
+    tolerance, count_noise = first_step_tolerance(runs, twins), first_step_count_noise(runs, twins)
+    ensemble = make_ensemble(runs, tolerance, count_noise)
+    samples = [case_mean_z(run, ensemble) for run in held_out]
+    if len(runs) >= 3:
+        samples += [case_mean_z(member, others) for _, member, others in leave_one_out(ensemble)]
+    return make_ensemble(runs, tolerance, count_noise, mean_z_spread(samples))

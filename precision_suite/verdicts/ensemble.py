@@ -61,7 +61,10 @@ FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference the twins made
 # At the first point the same elements are quantized on every machine; rounding moves a few of them
 # across the zero (or saturation) boundary: a count may always move by this many elements.
 FIRST_STEP_FLIPS = 2.0
-ENSEMBLE_ATTRS = ("ensemble_seeds", "first_step_tolerance", "first_step_count_noise")
+ENSEMBLE_ATTRS = ("ensemble_seeds", "first_step_tolerance", "first_step_count_noise", "trained_mean_z_spread")
+# Seeds trained at regeneration beside the ensemble and judged against it: with each member left
+# out of the others, the null samples of the case-level mean z (`trained_mean_z_spread`)
+MEAN_Z_HELD_OUT_SEEDS = (4, 5)
 DETECTABLE_MIN_COUNT = 10  # detectable_change reports count series from this many elements up
 
 
@@ -130,8 +133,10 @@ def ensemble_seeds(ds: xr.Dataset) -> list[int]:
 
 
 def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str, float],
-                  first_step_count_noise: Mapping[str, float]) -> xr.Dataset:
-    """K runs of one case (one per seed) as one dataset with a `seed` dimension."""
+                  first_step_count_noise: Mapping[str, float],
+                  trained_mean_z_spread: Mapping[str, Sequence[float]] | None = None) -> xr.Dataset:
+    """K runs of one case (one per seed) as one dataset with a `seed` dimension. Without
+    `trained_mean_z_spread` (see `mean_z_spread`) the case-level trained check is not made."""
     seeds = [int(json.loads(r.attrs["spec"])["seed"]) for r in runs]
     if len(set(seeds)) != len(seeds) or len(seeds) < 2:
         raise EnsembleError(f"an ensemble needs at least 2 distinct seeds, got {seeds}")
@@ -143,6 +148,8 @@ def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str,
     ds.attrs["ensemble_seeds"] = json.dumps(seeds)
     ds.attrs["first_step_tolerance"] = json.dumps(dict(first_step_tolerance), sort_keys=True)
     ds.attrs["first_step_count_noise"] = json.dumps(dict(first_step_count_noise), sort_keys=True)
+    ds.attrs["trained_mean_z_spread"] = json.dumps({m: list(v) for m, v in (trained_mean_z_spread or {}).items()},
+                                                   sort_keys=True)
     return ds
 
 
@@ -328,7 +335,74 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
             if (together := counts_moved_together(case, s, member, 0, float(tol0.get(s.metric, 0.0)), "first point",
                                                   f"seed {seed} of the baseline", regen_hint, seed)) is not None:
                 findings.append(together)
+    spreads = json.loads(ensemble.attrs["trained_mean_z_spread"])
+    for s in case_series:
+        if s.metric in spreads and (moved := _trained_moved_together(case, s, *spreads[s.metric],
+                                                                     len(spreads), rate)) is not None:
+            findings.append(moved)
     return findings
+
+
+def series_median_z(s: _Series) -> np.ndarray:
+    """Per series (G,), the median z of its trained points (after the first), bad direction
+    positive; NaN for a series without any."""
+    mean, sd = spread(s, 1)
+    z = bad_sign(s.metric) * (s.cur_y - mean) / sd
+    z[:, :1] = np.nan
+    z[~np.isfinite(z)] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a series with no trained point
+        return np.nanmedian(z, axis=1) if z.shape[1] > 1 else np.full(z.shape[0], np.nan)
+
+
+def case_mean_z(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, float]:
+    """Per compared metric, the mean over the case's series of their median trained z: a change
+    that moves every series a little moves it by as much, while the series' own noise averages."""
+    out = {}
+    for s in all_series(current, ensemble):
+        medians = series_median_z(s)
+        medians = medians[np.isfinite(medians)]
+        if medians.size:
+            out[s.metric] = float(medians.mean())
+    return out
+
+
+def mean_z_spread(samples: Sequence[Mapping[str, float]]) -> dict[str, tuple[float, int]]:
+    """Per metric, (sqrt of the mean square, count) of the case-level mean z of runs that differ
+    from the ensemble by seed alone (held-out seeds, members left out): its spread under no change,
+    with the degrees of freedom the band's t quantile needs (the null mean is 0, not estimated)."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for metric, m in sample.items():
+            values.setdefault(metric, []).append(m)
+    return {metric: (float(np.sqrt(np.mean(np.square(v)))), len(v)) for metric, v in values.items() if len(v) >= 2}
+
+
+def mean_z_band(sigma: float, n: int, n_metrics: int, rate: float = FALSE_ALARM_RATE) -> float:
+    """The band of a case-level mean z: a new run's mean z over the spread measured from `n` null
+    runs is Student-t with `n` degrees of freedom; two-sided, Bonferroni over the case's metrics.
+    This family of tests has its own `rate`: with the series' tests a case false-alarms at most at
+    twice FALSE_ALARM_RATE."""
+    from scipy.stats import t  # lazy: only judging against an ensemble needs it
+
+    return float(t.ppf(1.0 - rate / (2.0 * max(n_metrics, 1)), df=n)) * sigma
+
+
+def _trained_moved_together(case: str, s: _Series, sigma: float, n: int, n_metrics: int,
+                            rate: float) -> Finding | None:
+    medians = series_median_z(s)
+    ok = np.flatnonzero(np.isfinite(medians))
+    if ok.size == 0 or not sigma > 0:
+        return None
+    m, band = float(medians[ok].mean()), mean_z_band(sigma, int(n), n_metrics, rate)
+    if abs(m) <= band:
+        return None
+    g = int(ok[np.argmax(np.sign(m) * medians[ok])])  # the series that moved most that way
+    kind = "regression" if m > 0 else "drift"
+    detail = (f"trained points, case level: the {ok.size} series of {s.metric} moved together, mean of their "
+              f"median z {m:+.2f} spreads, band ±{band:.2f} (Student t from {int(n)} runs of other seeds, "
+              f"spread {sigma:.2f}); this series moved most ({medians[g]:+.1f})")
+    return _finding(case, kind, s, s.groups[g], len(s.times) - 1, g, m, band, detail)
 
 
 def all_series(current: xr.Dataset, ensemble: xr.Dataset) -> list[_Series]:
@@ -519,6 +593,7 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
     hides any factor (a series of zeros has no change to detect)."""
     tol0 = json.loads(ensemble.attrs["first_step_tolerance"])
     count_noise = json.loads(ensemble.attrs["first_step_count_noise"])
+    mean_z = json.loads(ensemble.attrs.get("trained_mean_z_spread", "{}"))
     case_series = all_series(current, ensemble)
     z = trained_threshold(_n_statistics(case_series))
     out = {}
@@ -540,5 +615,9 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
                      f"(1 element: ±{float(count_allowance(k, 1.0)):.3g}; 10^4: ±{float(count_allowance(k, 1e4)):.3g})")
         else:
             first = _y_change(space, float(tol0.get(s.metric, 0.0)), signed=False)
-        out[s.metric] = f"trained points: {text} ({z:.1f} spreads); first point: {first}"
+        together = ""
+        if s.metric in mean_z and mean_z[s.metric][0] > 0:
+            band = mean_z_band(mean_z[s.metric][0], int(mean_z[s.metric][1]), len(mean_z))
+            together = f", or every series by {band:.2f} spreads (case level)"
+        out[s.metric] = f"trained points: {text} ({z:.1f} spreads){together}; first point: {first}"
     return out
