@@ -157,20 +157,27 @@ def test_unplanted_code_passes(project):
 @pytest.mark.parametrize("plant", list(PLANTS), ids=lambda p: p.__name__)
 def test_planted_regression_fails_with_a_chart(project, plant, monkeypatch):
     broken_case, expected_metrics = PLANTS[plant]
-    baselines_before = _files(project / "baselines")
-    plant(monkeypatch)
-    status, summary = _run(project, f"planted-{plant.__name__}")
-    assert status == 1
-    # the small config's cases carry a hash of their sizes after model-attention-recipe
-    case = next(c for c in summary["cases"] if c["case"].startswith(f"{broken_case}-"))
-    assert case["status"] == "fail"
+    case = _failing_case(project, plant, monkeypatch, broken_case, f"planted-{plant.__name__}")
     regressed = {f["metric"] for f in case["findings"] if f["kind"] == "regression"}
     assert expected_metrics <= regressed, regressed
     assert case["charts"], "a failing case must come with a chart"
     for chart in case["charts"]:
         png = project / f"planted-{plant.__name__}" / chart
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _failing_case(project, plant, monkeypatch, broken_case: str, report: str) -> dict:
+    """Plant, run the main job and return the broken case's summary: it must fail, and the
+    baselines stay as they were."""
+    baselines_before = _files(project / "baselines")
+    plant(monkeypatch)
+    status, summary = _run(project, report)
+    assert status == 1
     assert _files(project / "baselines") == baselines_before
+    # the small config's cases carry a hash of their sizes after model-attention-recipe
+    case = next(c for c in summary["cases"] if c["case"].startswith(f"{broken_case}-"))
+    assert case["status"] == "fail"
+    return case
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -188,20 +195,13 @@ def test_the_late_onset_comes_before_the_small_cases_replays(tmp_path):
 def test_a_bug_that_starts_late_fails_its_replay(project, plant, monkeypatch):
     """Bugs that start after step 0 leave the first point alone; the replay of the stored state
     after their onset is where the comparison is exact again, and it must fail there."""
-    broken_case = LATE_PLANTS[plant]
-    baselines_before = _files(project / "baselines")
-    plant(monkeypatch)
-    status, summary = _run(project, f"late-{plant.__name__}")
-    assert status == 1
-    case = next(c for c in summary["cases"] if c["case"].startswith(f"{broken_case}-"))
-    assert case["status"] == "fail"
+    case = _failing_case(project, plant, monkeypatch, LATE_PLANTS[plant], f"late-{plant.__name__}")
     replayed = [f for f in case["findings"] if f["kind"] == "regression" and "replayed_from" in f["where"]]
     assert replayed, [f["message"] for f in case["findings"]]
     first_points = [f for f in case["findings"] if "replayed_from" not in f["where"]
                     and 0 in (f["where"].get("step"), f["where"].get("train_step"))]
     assert first_points == []  # the bug starts late: step 0 is as it was
     assert any(chart.endswith("-replay.png") for chart in case["charts"])
-    assert _files(project / "baselines") == baselines_before
 
 
 @pytest.mark.parametrize("numel", [64 * 256, 512 * 256], ids=["eager", "fused"])
