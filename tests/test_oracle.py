@@ -188,3 +188,19 @@ def test_a_new_format_is_a_declaration():
         s = np.maximum(np.abs(b).max(axis=(1, 3), keepdims=True) / F32(28.0), F32(2.0**-126)).astype(F32)
         expected = _unblock(_cast(b / s, ml_dtypes.float6_e3m2fn, 28.0) * s, shape)
         _assert_bits_equal(quantize(torch.from_numpy(x), fp6, layout).dequantized.numpy(), expected)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_amax_block_scales_are_float32_quotients_rounded_as_ieee_division(fmt):
+    """The amax scale rule divides in float64 and rounds to float32 (on CUDA a float32 division
+    by a scalar goes through the reciprocal: one ulp off in half the blocks, measured on an H200).
+    That must be numpy's correctly rounded float32 division, over every float32 exponent."""
+    from precision_suite.numerics.formats import FORMATS
+    from precision_suite.numerics.quantization import TINY_SCALE, block_scales
+
+    rng = np.random.default_rng(1)
+    amax = rng.integers(1, 0x7F7FFFFF, size=1 << 20, dtype=np.int64).astype(np.uint32).view(np.float32)
+    scales = block_scales(torch.from_numpy(amax), FORMATS[fmt]).numpy()
+    quotient = np.divide(amax, np.float32(FORMATS[fmt].element.max), dtype=np.float32)
+    expected = np.maximum(quotient, np.float32(TINY_SCALE))
+    assert np.array_equal(scales.view(np.uint32), expected.view(np.uint32))

@@ -70,7 +70,7 @@ def update_baselines(selection: Selection, *, baseline_dir: str, workers: int | 
     specs = selected_specs(selection)
     where = train.placement(workers, scheduler)
     n_tasks = sum(regeneration_size(spec) for spec in specs)
-    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles, the first steps of their rounding "
+    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and held-out seeds, the first steps of their rounding "
           f"twins, replays of their last steps) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
     with train.execution_errors(where):  # raised before any baseline is written
         written = regenerate(specs, baseline_dir, where.workers, train.task_progress(n_tasks),

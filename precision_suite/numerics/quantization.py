@@ -113,7 +113,7 @@ def block_scales(amax: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> t
     if fmt.scale_rule == "none":
         return torch.ones_like(amax)
     if fmt.scale_rule == "amax":
-        scale = torch.clamp(amax / element.max, min=TINY_SCALE)
+        scale = torch.clamp(_quotient(amax, element.max), min=TINY_SCALE)
         if pow2_scale:  # round up to a power of two, so no element can exceed max
             # scale is a normal float32 (>= TINY_SCALE): a power of two is its own binade
             binade = _binade(scale)
@@ -129,10 +129,20 @@ def block_scales(amax: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> t
     if fmt.scale_rule == "nvfp4":
         # FP32 tensor scale maps the tensor amax onto max(E2M1) * max(E4M3); the E4M3 block scale
         # then covers each block's amax / max(E2M1).
-        tensor_scale = torch.clamp(amax.amax() / (element.max * E4M3.max), min=TINY_SCALE)
+        tensor_scale = torch.clamp(_quotient(amax.amax(), element.max * E4M3.max), min=TINY_SCALE)
         wanted = torch.clamp(amax / element.max / tensor_scale, max=E4M3.max)
         return round_to_element(wanted, E4M3) * tensor_scale
     raise ValueError(f"format {fmt.name!r}: unknown scale rule {fmt.scale_rule!r}")
+
+
+def _quotient(amax: torch.Tensor, divisor: float) -> torch.Tensor:
+    """amax / divisor in float32, rounded as IEEE float32 division rounds, on every device. CUDA
+    divides by a scalar through its reciprocal, and inductor does so for tensor divisors too:
+    on an H200 that moved the E4M3 (1, 128) scale by one ulp in 1938 of 4096 blocks. In float64
+    the quotient is off by at most an ulp of float64, which its rounding to float32 removes
+    (for the maxima here, 448, 57344 and 2688, 7 or 21 times a power of two, the quotient's binary
+    expansion repeats and never rounds onto a float32 tie; tests/test_oracle.py checks it)."""
+    return (amax.double() / divisor).float()
 
 
 class BlockQDQ(NamedTuple):

@@ -33,6 +33,12 @@ K runs of its case that differ only in seed (dimension `seed`), and a run is jud
   case is at most `FALSE_ALARM_RATE` under the Gaussian model of each point, whatever the
   correlation between the points of one trajectory (measured, not assumed: docs/baselines.md).
   A new NaN/Inf where every seed measured a number fails at any point.
+- **trained points, case level**: a change that moves every series of a metric a little, each
+  within its band, moves the mean of their median z by as much while the series' own noise
+  averages out (`case_mean_z`). Its band is a Student t quantile times the spread of that mean
+  over runs that differ by seed alone, measured at regeneration (held-out seeds
+  `MEAN_Z_HELD_OUT_SEEDS` and each member left out of the others; `trained_mean_z_spread`), not
+  assumed: the series of one trajectory move together (a loss spike moves every layer).
 """
 
 from __future__ import annotations
