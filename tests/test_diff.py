@@ -83,6 +83,10 @@ def make_toy_repo(repo: Path) -> dict[int, str]:
     (repo / "toy").mkdir()
     (repo / "toy" / "__init__.py").write_text("")
     (repo / ".gitignore").write_text("__pycache__/\n")
+    # a project that holds a precision_suite of its own (precision-suite itself, or an editable
+    # install of it): every side and bisect step must measure with the running tool, not this one
+    (repo / "precision_suite").mkdir()
+    (repo / "precision_suite" / "__init__.py").write_text('raise ImportError("the checked-out precision_suite was imported")\n')
     model, readme = repo / "toy" / "model.py", repo / "README.md"
     changes = {
         1: ("toy: a one-block attention model, its batches and a tiny case",
@@ -191,3 +195,35 @@ def test_outside_a_repository_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["diff", "HEAD", *CONFIG]) == 2
     assert "is not inside a git repository" in capsys.readouterr().err
+
+
+def test_bisect_with_a_metric_that_did_not_move_has_nothing_to_bisect(toy_repo, capsys):
+    repo, shas = toy_repo
+    # the plant moves the loss by 1-2 %, within its tolerance: only underflow-like metrics fail
+    assert cli.main(["bisect", "c1", "c8", *CONFIG, "--metric", "loss"]) == 0
+    out = capsys.readouterr().out
+    assert f"BAD {shas[8][:7]} is within tolerance of GOOD {shas[1][:7]}: nothing to bisect" in out
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+
+
+def test_first_differences_finds_the_first_step_and_the_largest_cell():
+    import numpy as np
+    import xarray as xr
+
+    from precision_suite.verdicts.differences import first_differences
+
+    values = np.zeros((4, 2, 3))
+    base = xr.Dataset({"underflow": (("step", "layer", "layout"), values),
+                       "loss": (("train_step",), np.ones(4))},
+                      coords={"step": [0, 1, 2, 3], "layer": [0, 1], "layout": ["1x128", "128x1", "tensor"],
+                              "train_step": np.arange(4)})
+    head = base.copy(deep=True)
+    head["underflow"][2, 1, 0] = 0.5
+    head["underflow"][2, 0, 2] = 0.1
+    head["underflow"][3, 0, 0] = np.nan
+    head["loss"][3] = 2.0
+    first, loss = first_differences(base, head)
+    assert (first.metric, first.step, first.where, first.head, first.cells) == (
+        "underflow", 2, {"layer": 1, "layout": "1x128"}, 0.5, 2)
+    assert (loss.metric, loss.step, loss.where) == ("loss", 3, {})
+    assert first_differences(base, base.copy(deep=True)) == []
