@@ -57,6 +57,8 @@ examples:
   precision-suite run --model vit --attention x/1 --save-results results/
   precision-suite baseline update --quick      (re)create the baselines the quick run uses
   precision-suite compare old/ new/ --fail underflow:1e-3
+  precision-suite diff origin/main --config cases.toml   this change's numbers against main's, same machine
+  precision-suite bisect v1.2 HEAD --config cases.toml   the first commit whose diff against v1.2 fails
   precision-suite report results/              charts and summary of saved results
   precision-suite reproduce figure-a           the paper's figure A, with a note of its claims
 
@@ -93,12 +95,45 @@ def build_parser() -> argparse.ArgumentParser:
                     "(as written by `run --save-results`); cases are matched by case id.")
     compare.add_argument("base", metavar="BASE", help="reference results: a .nc file or a folder")
     compare.add_argument("new", metavar="NEW", help="results to judge: a .nc file or a folder")
-    compare.add_argument("--fail", metavar="METRIC:TOL", action="append", default=[],
-                         help="override a metric's tolerance, e.g. underflow:1e-3 or "
-                              "attention_norm:0.1 (in the metric's comparison space, "
-                              "see docs/baselines.md); repeatable")
+    _add_fail(compare)
     _add_checking(compare, baselines=False)
     compare.set_defaults(command_func=_cmd_compare)
+
+    diff = commands.add_parser(
+        "diff", help="train the selection with commit BASE's code and with HEAD's, and compare (the "
+                     "pull-request gate)",
+        description="Train the selection with the code of commit BASE (checked out in a temporary git "
+                    "worktree) and with HEAD's (default: the working tree), on this machine with the "
+                    "same seeds, so the runs are bitwise identical unless the code changed the numbers. "
+                    "Prints per case the first step at which each metric differs, judges HEAD against "
+                    "BASE with the baseline tolerances (and --fail) and writes a report drawing both. "
+                    "Exit 0 unchanged or within tolerance, 1 a metric moved beyond it, 2 bad usage or "
+                    "a side that cannot run.")
+    diff.add_argument("base", metavar="BASE", help="the reference commit: a branch, tag or SHA")
+    diff.add_argument("head", metavar="HEAD", nargs="?", default=None,
+                      help="the commit to judge (default: the working tree as it is, uncommitted changes included)")
+    _add_selection(diff)
+    _add_diff_judging(diff)
+    _add_checking(diff, baselines=False, rules_help=_TOLERANCES_ONLY)
+    diff.add_argument("--workers", type=_workers, default=None, metavar="N",
+                      help="local worker processes per side (default: the number of cores)")
+    diff.set_defaults(command_func=_cmd_diff)
+
+    bisect = commands.add_parser(
+        "bisect", help="find the first commit after GOOD whose `diff GOOD` fails",
+        description="Drive `git bisect run` between GOOD and BAD: a commit is bad when `diff GOOD "
+                    "<commit>` fails (with --metric: a finding of that metric), good when it passes, "
+                    "skipped when its code cannot run. Needs a clean working tree; the starting branch "
+                    "is restored however it ends. Prints the first bad commit and what changed there. "
+                    "Exit 1 a first bad commit found, 0 BAD passes against GOOD, 2 bad usage.")
+    bisect.add_argument("good", metavar="GOOD", help="a commit whose numbers are right")
+    bisect.add_argument("bad", metavar="BAD", help="a later commit whose `diff GOOD` fails")
+    _add_selection(bisect)
+    _add_diff_judging(bisect)
+    bisect.add_argument("--rules", default=DEFAULT_RULES_FILE, metavar="FILE", help=_TOLERANCES_ONLY)
+    bisect.add_argument("--workers", type=_workers, default=None, metavar="N",
+                        help="local worker processes (default: the number of cores)")
+    bisect.set_defaults(command_func=_cmd_bisect)
 
     baseline = commands.add_parser("baseline", help="manage golden baselines",
                                    description="Manage the golden baseline files.")
@@ -190,14 +225,31 @@ def _add_execution(parser: argparse.ArgumentParser) -> None:
                             f"(needs {DASK_INSTALL_HINT}; see docs/ci.md)")
 
 
+_TOLERANCES_ONLY = (f"pyproject.toml whose [tool.precision_suite] tolerances apply (default: ./{DEFAULT_RULES_FILE}, "
+                    "skipped if absent); its threshold rules are not checked: a diff judges the change")
+
+
+def _add_fail(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fail", metavar="METRIC:TOL", action="append", default=[],
+                        help="override a metric's tolerance, e.g. underflow:1e-3 or "
+                             "attention_norm:0.1 (in the metric's comparison space, "
+                             "see docs/baselines.md); repeatable")
+
+
+def _add_diff_judging(parser: argparse.ArgumentParser) -> None:
+    _add_fail(parser)
+    parser.add_argument("--metric", metavar="NAME", default=None,
+                        help="only findings of this metric decide (e.g. underflow)")
+
+
 def _add_checking(parser: argparse.ArgumentParser, baselines: bool = True,
-                  charts_default: str = "failing") -> None:
+                  charts_default: str = "failing", rules_help: str | None = None) -> None:
     if baselines:
         parser.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
                             help=f"where baselines live (default: {DEFAULT_BASELINE_DIR}/)")
     parser.add_argument("--rules", default=DEFAULT_RULES_FILE, metavar="FILE",
-                        help="pyproject.toml holding [tool.precision_suite] rules "
-                             f"(default: ./{DEFAULT_RULES_FILE}, skipped if absent)")
+                        help=rules_help or "pyproject.toml holding [tool.precision_suite] rules "
+                                           f"(default: ./{DEFAULT_RULES_FILE}, skipped if absent)")
     parser.add_argument("--report-dir", metavar="DIR",
                         help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
     parser.add_argument("--charts", choices=CHART_CHOICES, default=charts_default,
@@ -256,6 +308,17 @@ def _cmd_run(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleT
 def _cmd_compare(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
     return commands.compare_results(args.base, args.new, args.fail, rules_file=args.rules,
                                     report_dir=args.report_dir, charts=args.charts)
+
+
+def _cmd_diff(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
+    return commands.diff_commits(args.base, args.head, commands.Selection.from_args(args), fail=args.fail,
+                                 metric=args.metric, rules_file=args.rules, report_dir=args.report_dir,
+                                 charts=args.charts, workers=args.workers)
+
+
+def _cmd_bisect(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
+    return commands.bisect_commits(args.good, args.bad, commands.Selection.from_args(args), fail=args.fail,
+                                   metric=args.metric, rules_file=args.rules, workers=args.workers)
 
 
 def _cmd_baseline_update(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:

@@ -1,6 +1,7 @@
 """The commands of `precision-suite`, one function each, called by cli.py with its parsed flags:
 train and judge (`run`), `compare` saved results, `baseline update`, `report`, `reproduce`
-(`calibrate` is jobs/calibrate.py). Each returns the exit status; UsageError for bad usage."""
+(`calibrate` is jobs/calibrate.py; `diff` and `bisect`, which train other commits' code, are
+jobs/diff.py and jobs/bisect.py, named here). Each returns the exit status; UsageError for bad usage."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from precision_suite.files import save_dataset
 from precision_suite.jobs import judging, results, train
 from precision_suite.jobs.baselines import regenerate, regeneration_size
+from precision_suite.jobs.bisect import bisect_commits
+from precision_suite.jobs.diff import diff_commits
 from precision_suite.jobs.reproduce import figure_specs, reproduce
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import EXIT_OK, UsageError

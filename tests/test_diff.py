@@ -1,0 +1,229 @@
+"""`precision-suite diff` and `bisect` on a real git repository built here: 8 commits of a user's
+package whose commit 5 plants a numerics change from step 2 on (half the hidden features shrink
+a millionfold, so FP8 blocks underflow), the others change no number."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from precision_suite import cli
+
+MODEL = '''"""A user's model: one attention block (F.scaled_dot_product_attention) and an MLP."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, TOKENS = 32, 8
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.calls = 0  # forward calls: one per training step
+
+    def forward(self, x):
+        self.calls += 1
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v)
+        h = torch.relu(self.fc1(x))
+        # PLANT
+        return x + self.fc2(h)
+
+
+class Toy(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=1))
+
+
+def build(spec):
+    return Toy(spec.width or WIDTH)
+
+
+def batch(spec, generator):
+    x = torch.randn(spec.batch_size or 8, TOKENS, spec.width or WIDTH, generator=generator)
+    return x, x[:, 0, :10].argmax(dim=-1)
+'''
+PLANT = '''if self.calls > 2:  # from step 2 on: half the hidden features shrink a millionfold
+            h = torch.cat([h[..., ::2], 1e-6 * h[..., 1::2]], dim=-1)'''
+CASES = '''[[case]]
+model = "toy.model:build"
+batches = "toy.model:batch"
+steps = 4
+sample_every = 1
+width = 32
+'''
+CONFIG = ["--config", "cases.toml", "--workers", "1"]
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_toy_repo(repo: Path) -> dict[int, str]:
+    """The 8 commits (tagged c1..c8, branch main checked out at c8): commit number -> SHA."""
+    repo.mkdir(parents=True, exist_ok=True)
+    git(repo, "-c", "init.defaultBranch=main", "init", "-q")
+    git(repo, "config", "user.name", "Toy Tester")
+    git(repo, "config", "user.email", "toy@example.com")
+    git(repo, "config", "commit.gpgsign", "false")
+    (repo / "toy").mkdir()
+    (repo / "toy" / "__init__.py").write_text("")
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    # a project that holds a precision_suite of its own (precision-suite itself, or an editable
+    # install of it): every side and bisect step must measure with the running tool, not this one
+    (repo / "precision_suite").mkdir()
+    (repo / "precision_suite" / "__init__.py").write_text('raise ImportError("the checked-out precision_suite was imported")\n')
+    model, readme = repo / "toy" / "model.py", repo / "README.md"
+    changes = {
+        1: ("toy: a one-block attention model, its batches and a tiny case",
+            lambda: (model.write_text(MODEL), readme.write_text("# toy\n"), (repo / "cases.toml").write_text(CASES))),
+        2: ("README: how to run the case", lambda: readme.write_text("# toy\n\nprecision-suite run --config cases.toml\n")),
+        3: ("toy: say what Block counts", lambda: model.write_text(MODEL.replace("one per training step",
+                                                                                  "one per training step (no eval)"))),
+        4: ("README: the config", lambda: readme.write_text(readme.read_text() + "\ncases.toml holds one case.\n")),
+        5: ("toy: shrink half the hidden features from step 2", lambda: model.write_text(
+            model.read_text().replace("# PLANT", PLANT))),
+        6: ("README: changelog", lambda: readme.write_text(readme.read_text() + "\n## changes\n")),
+        7: ("toy: a comment on the head", lambda: model.write_text(model.read_text().replace(
+            "self.head = nn.Linear(width, 10)", "self.head = nn.Linear(width, 10)  # ten classes"))),
+        8: ("README: the model", lambda: readme.write_text(readme.read_text() + "\nOne attention block.\n")),
+    }
+    shas = {}
+    for number, (subject, change) in changes.items():
+        change()
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", subject)
+        git(repo, "tag", f"c{number}")
+        shas[number] = git(repo, "rev-parse", "HEAD")
+    return shas
+
+
+@pytest.fixture
+def toy_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[int, str]]:
+    repo = tmp_path / "toy-project"
+    shas = make_toy_repo(repo)
+    monkeypatch.chdir(repo)
+    return repo, shas
+
+
+def worktrees(repo: Path) -> list[str]:
+    return git(repo, "worktree", "list").splitlines()
+
+
+def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, capsys):
+    repo, _ = toy_repo
+    report = tmp_path / "report"
+    assert cli.main(["diff", "c4", "c5", *CONFIG, "--report-dir", str(report)]) == 1
+    out = capsys.readouterr().out
+    headline = next(line for line in out.splitlines() if line.startswith("numerics changed:"))
+    # the plant acts from the third forward call: step 2 is the first that differs
+    assert " from step 2: " in headline, out
+    assert "layer 0" in out and "underflow" in out
+    assert "FAIL" in out
+    summary = json.loads((report / "summary.json").read_text())
+    assert [case["status"] for case in summary["cases"]] == ["fail"]
+    assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift.png"))
+    assert len(worktrees(repo)) == 1  # the temporary worktrees are gone
+
+
+def test_diff_without_a_numeric_change_is_bitwise_identical(toy_repo, tmp_path, capsys):
+    repo, _ = toy_repo
+    assert cli.main(["diff", "c2", "c3", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "numerics unchanged: toy.model-build-softmax-fp32-" in out and "bitwise identical" in out
+    assert len(worktrees(repo)) == 1
+
+
+def test_bisect_names_commit_5_and_restores_the_branch(toy_repo, capsys):
+    repo, shas = toy_repo
+    assert cli.main(["bisect", "c1", "c8", *CONFIG]) == 1
+    captured = capsys.readouterr()
+    assert f"first bad commit: {shas[5]} toy: shrink half the hidden features from step 2" in captured.out
+    assert " from step 2: " in captured.out.split("first bad commit:")[1]
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert git(repo, "rev-parse", "HEAD") == shas[8]
+    assert git(repo, "status", "--porcelain") == ""
+    assert subprocess.run(["git", "bisect", "log"], cwd=repo, capture_output=True).returncode != 0
+    assert len(worktrees(repo)) == 1
+
+
+def test_bisect_refuses_a_dirty_tree(toy_repo, capsys):
+    repo, shas = toy_repo
+    (repo / "README.md").write_text("local edit\n")
+    assert cli.main(["bisect", "c1", "c8", *CONFIG]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "uncommitted changes" in err
+    assert (repo / "README.md").read_text() == "local edit\n"
+    assert git(repo, "rev-parse", "HEAD") == shas[8] and git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert subprocess.run(["git", "bisect", "log"], cwd=repo, capture_output=True).returncode != 0
+
+
+def test_a_sha_not_in_the_repository_is_one_line(toy_repo, tmp_path, capsys):
+    repo, _ = toy_repo
+    report = tmp_path / "report"
+    assert cli.main(["diff", "0123456789abcdef0123456789abcdef01234567", *CONFIG, "--report-dir", str(report)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "BASE '0123456789abcdef0123456789abcdef01234567' is not a commit" in err
+    assert not report.exists() and len(worktrees(repo)) == 1
+
+
+def test_a_side_that_cannot_run_names_its_commit(toy_repo, tmp_path, capsys):
+    repo, shas = toy_repo
+    (repo / "toy" / "model.py").write_text("def build(spec)\n")  # uncommitted, broken
+    assert cli.main(["diff", "c8", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("precision-suite: error: HEAD (working tree) cannot run: "), err[-1]
+    assert "SyntaxError: expected ':' (model.py, line 1)" in err[-1]
+    assert len(worktrees(repo)) == 1
+
+
+def test_outside_a_repository_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["diff", "HEAD", *CONFIG]) == 2
+    assert "is not inside a git repository" in capsys.readouterr().err
+
+
+def test_bisect_with_a_metric_that_did_not_move_has_nothing_to_bisect(toy_repo, capsys):
+    repo, shas = toy_repo
+    # the plant moves the loss by 1-2 %, within its tolerance: only underflow-like metrics fail
+    assert cli.main(["bisect", "c1", "c8", *CONFIG, "--metric", "loss"]) == 0
+    out = capsys.readouterr().out
+    assert f"BAD {shas[8][:7]} is within tolerance of GOOD {shas[1][:7]}: nothing to bisect" in out
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+
+
+def test_first_differences_finds_the_first_step_and_the_largest_cell():
+    import numpy as np
+    import xarray as xr
+
+    from precision_suite.verdicts.differences import first_differences
+
+    values = np.zeros((4, 2, 3))
+    base = xr.Dataset({"underflow": (("step", "layer", "layout"), values),
+                       "loss": (("train_step",), np.ones(4))},
+                      coords={"step": [0, 1, 2, 3], "layer": [0, 1], "layout": ["1x128", "128x1", "tensor"],
+                              "train_step": np.arange(4)})
+    head = base.copy(deep=True)
+    head["underflow"][2, 1, 0] = 0.5
+    head["underflow"][2, 0, 2] = 0.1
+    head["underflow"][3, 0, 0] = np.nan
+    head["loss"][3] = 2.0
+    first, loss = first_differences(base, head)
+    assert (first.metric, first.step, first.where, first.head, first.cells) == (
+        "underflow", 2, {"layer": 1, "layout": "1x128"}, 0.5, 2)
+    assert (loss.metric, loss.step, loss.where) == ("loss", 3, {})
+    assert first_differences(base, base.copy(deep=True)) == []
