@@ -49,11 +49,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES))
     parser.add_argument("--out", default=None, help="report folders (default: a temporary folder)")
+    parser.add_argument("--plant", action="append", choices=list(PLANTS), help="only these plants (repeat)")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="late-plants-"))
     selection = [flag for case in args.cases for flag in ("--case", case)]
     rows = []
     for name, plant in PLANTS.items():
+        if args.plant and name not in args.plant:
+            continue
         patch = pytest.MonkeyPatch()
         try:
             plant(patch)
