@@ -17,7 +17,7 @@ from precision_suite.verdicts import calibration
 from precision_suite.jobs import execution
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training import matrix, runs
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from precision_suite.jobs.selection import config_specs
 from precision_suite.training.runs import RunSpec, case_id
 from synthetic_data import fake_replays, make_run_dataset
@@ -110,7 +110,7 @@ def test_a_new_attention_variant_is_a_figure_a_case_and_its_hint_recreates_it(wo
     assert hint == "precision-suite baseline update --case vit-user_code-half_softmax-fp32 --attention user_code:half_softmax"
     assert cli.main(hint.split()[1:]) == 0  # the hint works as printed
     assert {(s.model, s.attention, s.recipe) for s in trained} == {("vit", "user_code:half_softmax", "fp32")}
-    assert {s.seed for s in trained} == set(ENSEMBLE_SEEDS)
+    assert {s.seed for s in trained} == {*ENSEMBLE_SEEDS, *MEAN_Z_HELD_OUT_SEEDS}
     assert cli.main(["run", "--attention", "user_code:half_softmax", "--attention", "x^2/4"]) == 2  # x^2/4: no baseline
     assert cli.main(["baseline", "update", "--attention", "x^2/4"]) == 0
     assert cli.main(["run", "--attention", "user_code:half_softmax", "--attention", "x^2/4",

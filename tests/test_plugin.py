@@ -42,6 +42,7 @@ from precision_suite.files import safe_filename
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts import calibration
 from precision_suite.verdicts.baselines import baseline_path
+from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from precision_suite.verdicts.replays import replay_path
 
 
@@ -323,7 +324,7 @@ def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
 def test_precision_seed_runs_that_seed_against_the_ensemble(inner, monkeypatch):
     make_check(inner)
     inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
-    assert sorted(set(trained_seeds(inner))) == [0, 1, 2, 3]
+    assert sorted(set(trained_seeds(inner))) == [*ENSEMBLE_SEEDS, *MEAN_Z_HELD_OUT_SEEDS]  # and held-out seeds
     (inner.path / "trained.jsonl").unlink()
 
     inner.runpytest_subprocess("--precision-seed", "7").assert_outcomes(passed=1)
