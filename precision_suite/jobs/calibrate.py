@@ -26,7 +26,7 @@ from precision_suite.reports import reports
 from precision_suite.training.runs import case_id
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.verdicts import calibration, ensemble, replays
-from precision_suite.verdicts.findings import CaseVerdict
+from precision_suite.verdicts.findings import CaseVerdict, verdict
 
 
 def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_dir: str, rules_file: str,
@@ -72,8 +72,7 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
             held_out = replays.build_replay(replays.stored_metrics(stored), others, xr.Dataset())
             findings = replays.compare_replay(twin_replays[(case, label)], held_out)
             _tabulate(table, verdicts, case, f"replay, {label} left out of the tolerance",
-                      CaseVerdict(f"{case} [replay, {label} left out]", "fail" if findings else "pass",
-                                  tuple(findings)))
+                      verdict(f"{case} [replay, {label} left out]", findings))
     for case, reference in references.items():  # free held-out runs: each member against the rest
         if len(ensemble.ensemble_seeds(reference)) < 3:
             continue  # one seed left: no spread to judge by
