@@ -28,6 +28,7 @@ from precision_suite import cli  # noqa: E402
 
 DEFAULT_CASES = ("vit-softmax-fp32", "gpt-softmax-fp8-block", "gpt-softmax-mxfp8-2d293d63", "gpt-softmax-nvfp4-2d293d63")
 PLANTS = {
+    "block scale 4x from step 0": scale_four_times_too_large,
     "block scale 4x from step 10": functools.partial(switched_on_late, plant=scale_four_times_too_large, onset=10),
     "block scale 4x from step 40": functools.partial(switched_on_late, plant=scale_four_times_too_large, onset=40),
     "block scale 256x from step 10": functools.partial(switched_on_late, plant=wrong_scale, onset=10),

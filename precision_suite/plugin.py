@@ -177,7 +177,7 @@ class RunCache:
         """The replay of `spec`'s last steps from the state in `stored` (its seed), once per session."""
         from precision_suite.training import replays  # lazy, as above
 
-        spec = dataclasses.replace(self.with_device(spec), seed=int(json.loads(stored.attrs["spec"])["seed"]))
+        spec = replays.replay_spec(self.with_device(spec), stored)
         key = f"replay {spec.to_json()}"
         if key not in self._datasets:
             self._datasets[key] = replays.replay(spec, stored)

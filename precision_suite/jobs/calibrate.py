@@ -23,6 +23,7 @@ from precision_suite.jobs.selection import Selection, regen_command, selected_sp
 from precision_suite.jobs.train import describe, placement, run_tasks
 from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
 from precision_suite.reports import reports
+from precision_suite.training.replays import replay_spec
 from precision_suite.training.runs import case_id
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.verdicts import calibration, ensemble, replays
@@ -46,7 +47,7 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{case_id(spec)} {label}"))
                      for spec in specs for label, changes, env in perturbations]
     # each case's replay under each rounding twin (the replay keeps its stored seed)
-    replays_to_judge = [(case_id(spec), label, Task(dataclasses.replace(spec, **changes, seed=_seed(stored_replays[case_id(spec)])),
+    replays_to_judge = [(case_id(spec), label, Task(dataclasses.replace(replay_spec(spec, stored_replays[case_id(spec)]), **changes),
                                                     env, f"{case_id(spec)} replay, {label}",
                                                     replay_from=stored_replays[case_id(spec)]))
                         for spec in specs if case_id(spec) in stored_replays for label, changes, env in twins]
@@ -110,10 +111,6 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     print(f"report: {folder / 'index.html'}; table: {folder / 'calibration.json'}; "
           f"summary for later run reports: {calibration.measured_path(baseline_dir)} (commit it)")
     return EXIT_REGRESSION if failing else EXIT_OK
-
-
-def _seed(stored_replay: xr.Dataset) -> int:
-    return int(json.loads(stored_replay.attrs["spec"])["seed"])
 
 
 def _host_fingerprint(ds: xr.Dataset) -> dict[str, Any]:

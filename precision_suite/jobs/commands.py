@@ -12,6 +12,7 @@ from pathlib import Path
 from precision_suite.files import save_dataset
 from precision_suite.jobs import judging, results, train
 from precision_suite.jobs.baselines import regenerate, regeneration_size
+# the command line calls every command through this module, these two included
 from precision_suite.jobs.bisect import bisect_commits
 from precision_suite.jobs.diff import diff_commits
 from precision_suite.jobs.reproduce import figure_specs, reproduce

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from precision_suite.files import load_dataset
+from precision_suite.files import load_dataset, save_dataset
 from precision_suite.jobs.usage import EXIT_USAGE
 
 if TYPE_CHECKING:
@@ -108,8 +108,6 @@ def train_here(task: Task) -> xr.Dataset:
 def run_in_fresh_process(task: Task) -> xr.Dataset:
     """`task` trained by a new interpreter (`python -m precision_suite.jobs.fresh_run`) started
     with the task's environment; its dataset (and a replay's state) go through netCDF files."""
-    from precision_suite.files import save_dataset
-
     with tempfile.TemporaryDirectory(prefix="precision-suite-run-") as folder:
         out = Path(folder) / "run.nc"
         command = [sys.executable, "-m", "precision_suite.jobs.fresh_run", str(out)]

@@ -4,8 +4,6 @@ way). Errors of execution become one-line UsageErrors."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,7 +15,7 @@ import xarray as xr
 from precision_suite.jobs import execution
 from precision_suite.jobs.execution import Done, ExecutorError, Task
 from precision_suite.jobs.usage import UsageError
-from precision_suite.training import runs
+from precision_suite.training import replays, runs
 from precision_suite.training.runs import RunSpec
 
 
@@ -48,8 +46,8 @@ def train_and_replay(specs: Sequence[RunSpec], stored_replays: Mapping[str, xr.D
                      where: Placement) -> tuple[list[xr.Dataset], dict[str, xr.Dataset]]:
     """`train_all`, and each case's replay from its stored state (`stored_replays`, by case id;
     the replay keeps the stored run's seed, the spec's threads and device): (runs, replays by case)."""
-    replay_tasks = {case: Task(dataclasses.replace(spec, seed=int(json.loads(stored_replays[case].attrs["spec"])["seed"])),
-                               label=f"{case} replay", replay_from=stored_replays[case])
+    replay_tasks = {case: Task(replays.replay_spec(spec, stored_replays[case]), label=f"{case} replay",
+                               replay_from=stored_replays[case])
                     for spec in specs if (case := runs.case_id(spec)) in stored_replays}
     if where.scheduler is None and (where.workers == 1 or len(specs) == 1):
         trained = [_train(spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}") for i, spec in enumerate(specs, 1)]

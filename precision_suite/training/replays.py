@@ -23,6 +23,7 @@ Stochastic rounding's generators restart from their seeds, the same on both side
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -45,6 +46,13 @@ def replay_start(spec: RunSpec) -> int | None:
     if spec.user_model or spec.steps <= REPLAY_STEPS:
         return None
     return spec.steps - REPLAY_STEPS
+
+
+def replay_spec(spec: RunSpec, stored: xr.Dataset) -> RunSpec:
+    """`spec` as its replay from the state in `stored` (a stored replay, or any dataset whose
+    `spec` attribute names the seed that kept the state) runs: that seed, the spec's own threads
+    and device."""
+    return dataclasses.replace(spec, seed=int(json.loads(stored.attrs["spec"])["seed"]))
 
 
 def run_keeping_state(spec: RunSpec) -> xr.Dataset:

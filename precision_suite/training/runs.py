@@ -332,23 +332,29 @@ class Trainer:
             tokens = targets.numel() if self.user_batches is not None else self.spec.tokens_per_step()
             self.compiles = compile_pays(self.quantized_elements(tokens))
         with compiling_if(self.compiles), self.recorder.step(index, sample=sample):
-            logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
-            loss = F.cross_entropy(logits, targets)
+            logits, loss = self._forward(inputs, targets)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
-        return loss.item(), accuracy
+        return loss.item(), _accuracy(logits, targets)
 
     def evaluate(self) -> tuple[float, float]:
         """(loss, accuracy) of the next batch without training on it: what the next step's
         loss would be, the visible effect of the last update."""
         inputs, targets = self._batch()
         with torch.no_grad(), compiling_if(bool(self.compiles)):
-            logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
-            loss = F.cross_entropy(logits, targets)
-        return loss.item(), (logits.argmax(dim=-1) == targets).double().mean().item()
+            logits, loss = self._forward(inputs, targets)
+        return loss.item(), _accuracy(logits, targets)
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits with one row per target, cross-entropy loss)."""
+        logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
+        return logits, F.cross_entropy(logits, targets)
+
+
+def _accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return (logits.argmax(dim=-1) == targets).double().mean().item()
 
 
 def _logits(output: object) -> torch.Tensor:

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+from scipy.stats import t as student_t
 
 from precision_suite.verdicts.calibration import DESIGN_FALSE_ALARM_RATE
 from precision_suite.verdicts.findings import Finding, TIME_DIMS, format_where, to_python
@@ -389,9 +390,7 @@ def mean_z_band(sigma: float, n: int, n_metrics: int, rate: float = FALSE_ALARM_
     runs is Student-t with `n` degrees of freedom; two-sided, Bonferroni over the case's metrics.
     This family of tests has its own `rate`: with the series' tests a case false-alarms at most at
     twice FALSE_ALARM_RATE."""
-    from scipy.stats import t  # lazy: only judging against an ensemble needs it
-
-    return float(t.ppf(1.0 - rate / (2.0 * max(n_metrics, 1)), df=n)) * sigma
+    return float(student_t.ppf(1.0 - rate / (2.0 * max(n_metrics, 1)), df=n)) * sigma
 
 
 def _trained_moved_together(case: str, s: _Series, sigma: float, n: int, n_metrics: int,
