@@ -60,6 +60,8 @@ examples:
   precision-suite diff origin/main --config cases.toml   this change's numbers against main's, same machine
   precision-suite bisect v1.2 HEAD --config cases.toml   the first commit whose diff against v1.2 fails
   precision-suite report results/              charts and summary of saved results
+  precision-suite history record results/ --store history/   add this commit's results to a history
+  precision-suite history report --store history/            the series over commits and their steps
   precision-suite reproduce figure-a           the paper's figure A, with a note of its claims
 
 exit status: 0 all checks hold, 1 numerics regression, 2 bad usage or configuration.
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checking(run)
     _add_execution(run)
     run.add_argument("--save-results", metavar="DIR",
-                     help="also save each run as DIR/<case>.nc, for `compare` and `report` later")
+                     help="also save each run as DIR/<case>.nc (and its replay as DIR/replays/<case>.nc), "
+                          "for `compare`, `report` and `history record` later")
     run.set_defaults(command_func=_cmd_run)
 
     compare = commands.add_parser(
@@ -134,6 +137,44 @@ def build_parser() -> argparse.ArgumentParser:
     bisect.add_argument("--workers", type=_workers, default=None, metavar="N",
                         help="local worker processes (default: the number of cores)")
     bisect.set_defaults(command_func=_cmd_bisect)
+
+    history = commands.add_parser("history", help="numerics over commits: record runs, report their steps",
+                                  description="A history store of every recorded commit's numerics per "
+                                              "host and case (docs/cli.md).")
+    history_commands = history.add_subparsers(title="history commands", metavar="ACTION")
+    record = history_commands.add_parser(
+        "record", help="add saved results to a history store as one commit's",
+        description="Record saved results (`run --save-results DIR` folders, several for CI shards) as "
+                    "commit --commit of the repository holding the working directory, per host and case: "
+                    "the headline series, the replay deltas and their noise levels from the baselines. "
+                    "The same commit, host and case recorded again replaces its record.")
+    record.add_argument("results", metavar="RESULTS", nargs="+", help="a folder of saved results (or a .nc file)")
+    record.add_argument("--store", required=True, metavar="DIR", help="the history store (created if new)")
+    record.add_argument("--commit", default="HEAD", metavar="REF",
+                        help="the commit the results were trained at (default: HEAD)")
+    record.add_argument("--branch", default=None, metavar="NAME",
+                        help="the branch to record (default: the checked-out one; none on a detached HEAD)")
+    record.add_argument("--baseline-dir", default=DEFAULT_BASELINE_DIR, metavar="DIR",
+                        help=f"where the noise levels come from (default: {DEFAULT_BASELINE_DIR}/)")
+    record.set_defaults(command_func=_cmd_history_record)
+    history_report = history_commands.add_parser(
+        "report", help="the headline series over commits and their detected steps",
+        description="Per host and case of the store: the headline series over commits (loss, attention "
+                    "norm, underflow and distortion per layer, tensor and layout, the replay deltas), "
+                    "each series' steps detected (PELT with a penalty from the baselines' noise levels) "
+                    "and named by commit, as index.html, summary.md and summary.json.")
+    history_report.add_argument("--store", required=True, metavar="DIR", help="the history store")
+    group = history_report.add_argument_group("selection (default: every case of the store)")
+    for flag, meta in (("--case", "ID"), ("--model", "NAME"), ("--attention", "NAME"), ("--recipe", "NAME")):
+        group.add_argument(flag, action="append", metavar=meta)
+    history_report.add_argument("--since", metavar="REF", default=None,
+                                help="only commits from this one on (by commit time)")
+    history_report.add_argument("--report-dir", metavar="DIR",
+                                help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
+    history_report.add_argument("--charts", choices=CHART_CHOICES, default="all",
+                                help="chart every case, those with a step (failing), or none (default: all)")
+    history_report.set_defaults(command_func=_cmd_history_report)
+    history.set_defaults(command_func=lambda *_: history.print_help(sys.stderr) or EXIT_USAGE)
 
     baseline = commands.add_parser("baseline", help="manage golden baselines",
                                    description="Manage the golden baseline files.")
@@ -319,6 +360,16 @@ def _cmd_diff(args: argparse.Namespace, commands: ModuleType, _calibrate: Module
 def _cmd_bisect(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
     return commands.bisect_commits(args.good, args.bad, commands.Selection.from_args(args), fail=args.fail,
                                    metric=args.metric, rules_file=args.rules, workers=args.workers)
+
+
+def _cmd_history_record(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
+    return commands.record_results(args.results, args.store, commit=args.commit, branch=args.branch,
+                                   baseline_dir=args.baseline_dir)
+
+
+def _cmd_history_report(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
+    keep = commands.CaseFilter(case=args.case, model=args.model, attention=args.attention, recipe=args.recipe)
+    return commands.report_history(args.store, keep, since=args.since, report_dir=args.report_dir, charts=args.charts)
 
 
 def _cmd_baseline_update(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:

@@ -112,3 +112,54 @@ def fake_replays(monkeypatch, fake_run) -> None:
     monkeypatch.setattr(replays, "run_keeping_state", keep_state)
     monkeypatch.setattr(replays, "replay", lambda spec, state: synthetic_replay(spec))
     monkeypatch.setattr(execution, "run_in_fresh_process", execution.train_here)
+
+
+def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: int = 5, plant=None,
+                  seed: int = 0) -> list[str]:
+    """A history store of `n_commits` commits of `cases`, built from their committed baselines
+    without training: a commit changes the numbers every `epoch_every` commits (the same numbers
+    in between, as on one host), and each change re-rolls the trained series to another member of
+    the seed ensemble (chaos) and the replay deltas by half their rounding noise. `plant` =
+    (case, metric, where, factor, replay_shift, from_commit): from that commit on, the trained
+    series at `where` is `factor` times larger and its replay delta `replay_shift` noise units
+    larger. Returns the commits' SHAs, oldest first."""
+    import datetime
+    import hashlib
+
+    from precision_suite.files import load_dataset, save_dataset
+    from precision_suite.jobs.history import host_of, record_path, store_schema
+    from precision_suite.verdicts import history
+    from precision_suite.verdicts.baselines import baseline_path
+    from precision_suite.verdicts.replays import replay_path
+
+    store_schema(store, create=True)
+    rng = np.random.default_rng(seed)
+    shas = [hashlib.sha1(f"commit {i}".encode()).hexdigest() for i in range(n_commits)]
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    for case in cases:
+        ensemble = load_dataset(baseline_path(baseline_dir, case))
+        stored = load_dataset(replay_path(baseline_dir, case)) if replay_path(baseline_dir, case).is_file() else None
+        members = [history.summarize(ensemble.isel(seed=k, drop=True), ensemble=ensemble, replay=stored,
+                                     stored_replay=stored) for k in range(ensemble.sizes["seed"])]
+        host, fingerprint = host_of(ensemble)
+        record = None
+        for i, sha in enumerate(shas):
+            if i % epoch_every == 0:  # a commit that changes the numbers
+                record = members[(i // epoch_every) % len(members)].copy(deep=True)
+                for name in [n for n in record.data_vars if n.startswith("replay_") and n.endswith("_delta")]:
+                    noise = record[name.replace("_delta", "_noise")]
+                    record[name] = record[name] + 0.5 * noise * rng.standard_normal(noise.shape)
+            planted = record.copy(deep=True)
+            if plant is not None and plant[0] == case and i >= plant[5]:
+                _, metric, where, factor, shift, _ = plant
+                planted[f"trained_{metric}"].loc[where] = planted[f"trained_{metric}"].loc[where] * factor
+                if f"replay_{metric}_delta" in planted:
+                    noise = planted[f"replay_{metric}_noise"].loc[where]
+                    planted[f"replay_{metric}_delta"].loc[where] = planted[f"replay_{metric}_delta"].loc[where] + shift * noise
+            save_dataset(planted.assign_attrs(
+                case=case, spec=ensemble.attrs["spec"], host=host, fingerprint=json.dumps(fingerprint),
+                recorded=start.isoformat(), package_version="synthetic", commit=sha,
+                commit_time=(start + datetime.timedelta(hours=i)).isoformat(), commit_depth=i + 1,
+                subject=f"commit {i}", branch="main"),
+                record_path(store, host, case, sha))
+    return shas

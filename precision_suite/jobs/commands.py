@@ -1,7 +1,7 @@
 """The commands of `precision-suite`, one function each, called by cli.py with its parsed flags:
 train and judge (`run`), `compare` saved results, `baseline update`, `report`, `reproduce`
 (`calibrate` is jobs/calibrate.py; `diff` and `bisect`, which train other commits' code, are
-jobs/diff.py and jobs/bisect.py, named here). Each returns the exit status; UsageError for bad usage."""
+jobs/diff.py and jobs/bisect.py, and `history record|report` jobs/history.py, named here). Each returns the exit status; UsageError for bad usage."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from pathlib import Path
 from precision_suite.files import save_dataset
 from precision_suite.jobs import judging, results, train
 from precision_suite.jobs.baselines import regenerate, regeneration_size
-# the command line calls every command through this module, these two included
+# the command line calls every command through this module, these included
 from precision_suite.jobs.bisect import bisect_commits
 from precision_suite.jobs.diff import diff_commits
+from precision_suite.jobs.history import CaseFilter, record_results, report_history
 from precision_suite.jobs.reproduce import figure_specs, reproduce
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import EXIT_OK, UsageError
@@ -46,6 +47,8 @@ def run_cases(selection: Selection, *, baseline_dir: str, rules_file: str, repor
         case = case_id(spec)
         if save_results:
             save_dataset(ds, results.result_path(save_results, case))
+            if case in replayed:
+                save_dataset(replayed[case], results.replay_result_path(save_results, case))
         verdicts.append(judging.judge_case(case, ds, references[case], rules, tolerances, folder, charts,
                                            regen_command(selection, baseline_dir, case),
                                            replay=replayed.get(case), stored_replay=stored_replays.get(case)))

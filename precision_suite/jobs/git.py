@@ -75,3 +75,19 @@ def worktree(root: Path, sha: str) -> Iterator[Path]:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no message)"
+
+
+def commit_info(root: Path, sha: str) -> dict[str, str | int]:
+    """What a history record says of commit `sha`: full SHA, committer time (ISO 8601), subject,
+    and its depth: the commits of its first-parent history, itself included (the order of a
+    branch's history, where commits made in one second tie on time)."""
+    done = git(root, "log", "-1", "--format=%H%x00%cI%x00%s", sha)
+    full, time, subject_line = done.stdout.rstrip("\n").split("\x00", 2)
+    depth = int(git(root, "rev-list", "--count", "--first-parent", sha).stdout.strip())
+    return {"commit": full, "commit_time": time, "subject": subject_line, "commit_depth": depth}
+
+
+def branch(root: Path) -> str:
+    """The checked-out branch ('' on a detached HEAD, as CI jobs often have)."""
+    name = git(root, "rev-parse", "--abbrev-ref", "HEAD").stdout.strip()
+    return "" if name == "HEAD" else name

@@ -12,11 +12,22 @@ from precision_suite.files import load_dataset, safe_filename
 from precision_suite.jobs.usage import UsageError
 from precision_suite.verdicts.baselines import DEFAULT_TOLERANCES, resolve_tolerances, spec_differences
 from precision_suite.verdicts.checks import run_spec
+from precision_suite.verdicts.replays import REPLAY_FOLDER
 
 
 def result_path(folder: str, case: str) -> Path:
     """`folder/<case>.nc`, the case id made file-name safe."""
     return Path(folder) / f"{safe_filename(case)}.nc"
+
+
+def replay_folder(folder: str) -> Path:
+    """`folder/replays/`: the replays of the runs saved in `folder` (`load_results` reads a
+    folder's own .nc files only, so they do not count as cases)."""
+    return Path(folder) / REPLAY_FOLDER
+
+
+def replay_result_path(folder: str, case: str) -> Path:
+    return replay_folder(folder) / f"{safe_filename(case)}.nc"
 
 
 def load_results(location: str, what: str) -> dict[str, xr.Dataset]:

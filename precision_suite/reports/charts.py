@@ -33,6 +33,7 @@ from precision_suite.verdicts.baselines import tolerance_band
 from precision_suite.verdicts.checks import run_spec
 from precision_suite.verdicts.ensemble import ensemble_band
 from precision_suite.verdicts.findings import severity
+from precision_suite.verdicts.history import CaseHistory
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
@@ -533,3 +534,73 @@ def _axis_label(metric: str) -> str:
 def _valid_range(metric: str) -> tuple[float, float]:
     declared = METRICS[metric].valid_range if metric in METRICS else None
     return declared if declared is not None else (-np.inf, np.inf)
+
+
+# --------------------------------------------------------------------------- history
+
+MAX_HISTORY_TICKS = 25  # commit labels on a history chart's x axis; more would overlap
+
+
+def plot_history(case: CaseHistory, path: str | os.PathLike | None = None) -> Figure:
+    """A case's headline series over commits: the trained loss and attention norm per layer, every
+    group of series with a detected step (the stepped series bold, the group's others thin), and
+    the largest replay delta of each metric in noise units; each step a dashed line at its commit."""
+    panels = _history_panels(case)
+    fig, axes = _new_figure(len(panels), 1, panel_size=(max(6.0, 0.22 * len(case.commits) + 3.0), 2.6))
+    x = np.arange(len(case.commits))
+    labels = [c["commit"][:7] for c in case.commits]
+    for ax, (title, lines, steps, unit) in zip((row[0] for row in axes), panels):
+        colours = _palette(len(lines), sequential=True)
+        for (label, y, bold), colour in zip(lines, colours):
+            ax.plot(x, y, marker="o" if bold else None, markersize=3, linewidth=1.8 if bold else 0.8,
+                    color=colour if bold or len(lines) < 2 else "0.6", label=label if bold else None)
+        for step in steps:
+            ax.axvline(step.index - 0.5, color="#b00020", linestyle="--", linewidth=1)
+            ax.annotate(f"{labels[step.index]}: {step.size:+.0f}σ", (step.index - 0.5, 1.0),
+                        xycoords=("data", "axes fraction"), fontsize=7, color="#b00020",
+                        ha="left", va="top", rotation=90)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.set_ylabel(unit, fontsize=8)
+        if any(bold for _, _, bold in lines) and len(lines) <= 12:
+            ax.legend(fontsize=7, loc="best", frameon=False)
+        every = max(1, int(np.ceil(len(x) / MAX_HISTORY_TICKS)))
+        ax.set_xticks(x[::every], labels[::every], rotation=90, fontsize=7)
+    fig.suptitle(f"{case.case} on {case.host_label}: {len(case.commits)} commits, {len(case.steps)} step(s)",
+                 fontsize=10)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _history_panels(case: CaseHistory) -> list[tuple[str, list[tuple[str, np.ndarray, bool]], list, str]]:
+    """(title, [(label, values, stepped)], steps, y label) per panel."""
+    stepped = {(s.kind, s.metric, tuple(s.where.items())) for s in case.steps}
+    groups: dict[tuple[str, str, tuple], list] = {}
+    for s in case.series:
+        if s.kind == "trained":
+            rest = tuple((d, v) for d, v in s.where.items() if d != "layer")
+            groups.setdefault(("trained", s.metric, rest), []).append(s)
+    panels = []
+    for (kind, metric, rest), members in groups.items():
+        keys = [(m.kind, m.metric, tuple(m.where.items())) for m in members]
+        if metric not in ("loss", "attention_norm") and not any(k in stepped for k in keys):
+            continue
+        where = ", ".join(f"{d} {v}" for d, v in rest)
+        steps = [st for st in case.steps if st.kind == kind and st.metric == metric
+                 and all(st.where.get(d) == v for d, v in rest)]
+        lines = [(f"layer {m.where['layer']}" if "layer" in m.where else metric, m.shown, k in stepped or len(members) == 1)
+                 for m, k in zip(members, keys)]
+        panels.append((f"{metric}{' (' + where + ')' if where else ''}: median of the trained points",
+                       lines, steps, _axis_label(metric)))
+    replay = [s for s in case.series if s.kind == "replay"]
+    if replay:
+        lines = []
+        for metric in dict.fromkeys(s.metric for s in replay):
+            shown = np.vstack([s.shown for s in replay if s.metric == metric])
+            with np.errstate(invalid="ignore"):
+                largest = np.where(np.isfinite(shown).any(axis=0), np.nanmax(np.abs(np.nan_to_num(shown, nan=0.0)), axis=0),
+                                   np.nan)
+            lines.append((metric, largest, True))
+        panels.append(("replay from the stored state: the largest |delta| against the stored replay, per metric",
+                       lines, [st for st in case.steps if st.kind == "replay"], "noise units"))
+    return panels

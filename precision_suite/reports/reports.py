@@ -105,10 +105,10 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(entries, overview, known)
-    summary["sensitivity"] = _jsonable(dict(sensitivity)) if sensitivity else None
-    _write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    _write_text(out / "summary.md", _markdown(summary, out))
-    _write_text(out / "index.html", _html(summary, out))
+    summary["sensitivity"] = jsonable(dict(sensitivity)) if sensitivity else None
+    write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text(out / "summary.md", _markdown(summary, out))
+    write_text(out / "index.html", _html(summary, out))
     return out
 
 
@@ -189,14 +189,14 @@ def _save(out: Path, name: str, fig) -> str:
 # --------------------------------------------------------------------------- summary
 
 
-def _jsonable(value):
+def jsonable(value):
     """Plain JSON values; NaN/Inf become the strings "nan"/"inf"/"-inf" (JSON has no NaN)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -218,7 +218,7 @@ def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapp
                    "known": sum(e.verdict.case in known for e in entries)},
         "overview_charts": list(overview),
         "cases": [{"case": e.verdict.case, "status": e.verdict.status,
-                   "findings": [_jsonable(f) for f in e.verdict.findings],
+                   "findings": [jsonable(f) for f in e.verdict.findings],
                    "charts": list(e.charts), "missing_charts": list(e.missing_charts),
                    "known_violation": known.get(e.verdict.case)}
                   for e in entries],
@@ -281,7 +281,7 @@ def _sensitivity_lines(sensitivity: Mapping | None) -> list[str]:
 
 # A case shows its charts and, beside them, its worst findings, so that the first screen of a
 # failing report holds the verdict, the failing case's chart and what is wrong (tests/test_browser.py).
-_CSS = """
+CSS = """
 body{font-family:system-ui,sans-serif;margin:1em auto;max-width:1400px;padding:0 1em;color:#222}
 h1{font-size:1.6em;margin:.2em 0}h2{font-size:1.3em;margin:.8em 0 .4em}h3{font-size:1.05em;margin:.2em 0}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .6em;
@@ -301,7 +301,7 @@ nav.cases span{white-space:nowrap;margin-right:1em}
 _MIME = {".png": "image/png", ".svg": "image/svg+xml"}
 
 
-def _figure_html(out: Path, rel: str, anchor: str = "") -> str:
+def figure_html(out: Path, rel: str, anchor: str = "") -> str:
     path = out / rel
     mime = _MIME.get(path.suffix.lower())
     ident = f' id="{html.escape(anchor)}"' if anchor else ""
@@ -349,7 +349,7 @@ def _case_html(out: Path, i: int, case: dict) -> str:
     full table folded."""
     esc = html.escape
     anchors = [f"case-{i}-chart-{j}" for j in range(len(case["charts"]))]
-    charts = "".join(_figure_html(out, rel, anchor) for rel, anchor in zip(case["charts"], anchors))
+    charts = "".join(figure_html(out, rel, anchor) for rel, anchor in zip(case["charts"], anchors))
     link = f'<a href="#{anchors[0]}">chart</a>' if anchors else ""
     worst = "".join(f"<li>{esc(f.get('message', ''))}{f' ({link})' if link else ''}</li>"
                     for f in _worst(case["findings"]))
@@ -375,7 +375,7 @@ def _html(summary: dict, out: Path) -> str:
         f'({len(c["findings"])})</span>'
         for i, c in enumerate(summary["cases"]))
     sections = [_case_html(out, i, case) for i, case in enumerate(summary["cases"])]
-    overview = "".join(_figure_html(out, rel) for rel in summary["overview_charts"])
+    overview = "".join(figure_html(out, rel) for rel in summary["overview_charts"])
     overview_section = (f"<section><h2>Overview: attention norm across variants (figure A), "
                         f"quantization error per layer (figure B)</h2>{overview}</section>"
                         if overview else "")
@@ -393,7 +393,7 @@ def _html(summary: dict, out: Path) -> str:
         + "</section>") if sensitivity else ""
     headline = esc(_headline(summary))
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{headline}</title><style>{_CSS}</style></head><body>"
+            f"<title>{headline}</title><style>{CSS}</style></head><body>"
             f"<h1 class=\"{esc(summary['overall'])}\">{_badge(summary['overall'])} {headline}</h1>"
             f"<p class=\"meta\">Created {esc(summary['created'])} by precision-suite "
             f"{esc(summary['package_version'])}. Machine-readable: <code>summary.json</code>. "
@@ -401,6 +401,6 @@ def _html(summary: dict, out: Path) -> str:
             f"{''.join(sections)}{overview_section}{sensitivity_section}</body></html>\n")
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     with atomic_file(path) as handle:
         handle.write(text.encode("utf-8"))

@@ -1,0 +1,222 @@
+"""`history record` and `history report`: the numerics of every recorded commit, per host and case.
+
+The store is a folder of plain files that a CI cache or artifact carries:
+
+    STORE/precision-suite-history.json        {"history_schema_version": 1}
+    STORE/<host>/<case>/<full commit SHA>.nc   one record (verdicts.history.summarize), netCDF
+
+netCDF, one small file per record, rather than one Zarr store with a growing `commit` dimension:
+netCDF (h5netcdf) is already how runs and baselines are kept, so no new dependency; and a record is
+written as a whole file, atomically (files.save_dataset: a temp file renamed onto its place), so
+two jobs recording at once never write into one file: each record lands whole, the store is never
+half-written, and the same commit, host and case recorded again replaces its file (the later write
+wins) instead of appending a duplicate. Appending to one Zarr array from two processes needs a lock
+the CI cache cannot give. The report concatenates the records of a case along `commit` (xarray),
+so the history is one dataset per host and case when it is read.
+
+`<host>` is a short hash of the runs' fingerprint (vector ISA, device, threads, torch, Python)
+without the kernel's release, which runner images update under the same numbers: a history is a
+series of one host's bitwise-reproducible runs, and another host's runs form another series.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xarray as xr
+
+from precision_suite.files import SCHEMA_VERSION, load_dataset, safe_filename, save_dataset, write_json
+from precision_suite.jobs import git, judging, results
+from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, EXIT_OK, UsageError
+from precision_suite.reports.history import write_history_report
+from precision_suite.verdicts import baselines, history, replays
+from precision_suite.version import __version__
+
+STORE_MARKER = "precision-suite-history.json"
+HOST_KEY_FIELDS_DROPPED = ("platform",)  # the kernel release: runner image updates, same numbers
+
+
+@dataclass(frozen=True)
+class CaseFilter:
+    """`history report`'s selection: exact case ids, or models, attention variants and recipes."""
+
+    case: Sequence[str] | None = None
+    model: Sequence[str] | None = None
+    attention: Sequence[str] | None = None
+    recipe: Sequence[str] | None = None
+
+    def keeps(self, case: str, spec: dict[str, Any]) -> bool:
+        return ((not self.case or case in self.case)
+                and all(not wanted or spec.get(name) in wanted
+                        for name, wanted in (("model", self.model), ("attention", self.attention),
+                                             ("recipe", self.recipe))))
+
+
+def host_of(ds: xr.Dataset) -> tuple[str, dict[str, Any]]:
+    """(the store's folder name for the host a run was made on, its fingerprint as recorded)."""
+    fingerprint = json.loads(ds.attrs.get("fingerprint") or "{}")
+    kept = {k: v for k, v in sorted(fingerprint.items()) if k not in HOST_KEY_FIELDS_DROPPED}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:12], fingerprint
+
+
+def host_label(fingerprint: dict[str, Any]) -> str:
+    """'cpu AVX512, torch 2.13.0+cpu, 1 thread(s)'"""
+    return (f"{fingerprint.get('device', '?')} {fingerprint.get('cpu_capability', '')}".rstrip()
+            + f", torch {fingerprint.get('torch', '?')}, {fingerprint.get('threads', '?')} thread(s)")
+
+
+def store_schema(store: Path, *, create: bool) -> Path:
+    """`store`, checked to be a history store this version reads (created when `create`)."""
+    marker = store / STORE_MARKER
+    if store.exists() and not store.is_dir():
+        raise UsageError(f"--store {store} is a file; give a folder for the history store")
+    if marker.is_file():
+        try:
+            version = json.loads(marker.read_text(encoding="utf-8")).get("history_schema_version")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UsageError(f"--store {store}: {marker} is not readable JSON ({exc}); restore it or "
+                             "record into a new --store folder") from None
+        if version != history.HISTORY_SCHEMA_VERSION:
+            raise UsageError(f"--store {store} holds history schema {version!r}, this precision-suite "
+                             f"{__version__} reads {history.HISTORY_SCHEMA_VERSION}; record into a new --store "
+                             f"folder (or read this one with the precision-suite version that wrote it)")
+        return store
+    if store.is_dir() and any(store.iterdir()):
+        raise UsageError(f"--store {store} is not a history store (no {STORE_MARKER}) and is not empty; "
+                         "give an empty or new folder")
+    if not create:
+        raise UsageError(f"--store {store} holds no history yet; record runs into it first with "
+                         "`precision-suite history record RESULTS --store DIR`")
+    write_json({"history_schema_version": history.HISTORY_SCHEMA_VERSION}, marker)
+    return store
+
+
+def record_path(store: Path, host: str, case: str, sha: str) -> Path:
+    return store / host / safe_filename(case) / f"{sha}.nc"
+
+
+def _stored(baseline_dir: str, case: str, spec: str) -> tuple[xr.Dataset | None, xr.Dataset | None]:
+    """The case's baseline ensemble and stored replay, None where it has none (a user's model):
+    the record then carries no noise level."""
+    try:
+        ensemble = baselines.load_ensemble(baselines.baseline_path(baseline_dir, case), expected_spec=spec)
+    except baselines.BaselineError:
+        return None, None
+    try:
+        stored_replay = replays.load_replay(baseline_dir, case, expected_spec=spec)
+    except baselines.BaselineError:
+        stored_replay = None
+    return ensemble, stored_replay
+
+
+def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "HEAD", branch: str | None = None,
+                   baseline_dir: str = DEFAULT_BASELINE_DIR) -> int:
+    """Record saved results (`run --save-results` folders; replays in their `replays/`) as commit
+    `commit` of the repository holding the working directory. Every input is read and checked
+    before the first file is written."""
+    root = git.repo_root()
+    sha = git.resolve_commit(root, commit, "--commit")
+    info = {**git.commit_info(root, sha), "branch": git.branch(root) if branch is None else branch}
+    runs = results.merge_shards(locations)
+    replayed = {case: ds for location in locations if results.replay_folder(location).is_dir()
+                for case, ds in results.load_results(str(results.replay_folder(location)), "RESULTS replays").items()}
+    for case, ds in runs.items():
+        if ds.attrs.get("schema_version") != SCHEMA_VERSION:
+            raise UsageError(f"RESULTS: case {case} was saved with run-dataset schema "
+                             f"{ds.attrs.get('schema_version')}, this precision-suite reads {SCHEMA_VERSION} "
+                             f"(its numbers may be measured otherwise); record results of this version: "
+                             f"`precision-suite run --save-results DIR` at commit {sha[:12]}")
+    if commit == "HEAD" and git.is_dirty(root):
+        print(f"precision-suite: warning: the working tree has uncommitted changes; the results are "
+              f"recorded as commit {sha[:12]}", file=sys.stderr)
+    records = []
+    for case, ds in runs.items():
+        ensemble, stored_replay = _stored(baseline_dir, case, ds.attrs.get("spec"))
+        host, fingerprint = host_of(ds)
+        record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
+        records.append((record_path(Path(store_dir), host, case, info["commit"]), record.assign_attrs(
+            case=case, spec=ds.attrs.get("spec", ""), host=host, fingerprint=json.dumps(fingerprint, sort_keys=True),
+            recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            package_version=__version__, **info)))
+    store = store_schema(Path(store_dir), create=True)
+    for path, record in records:
+        replaced = path.exists()
+        save_dataset(record, path)
+        print(f"{'replaced' if replaced else 'recorded'} {record.attrs['case']} at {sha[:12]} "
+              f"{info['subject']!r} (host {record.attrs['host']}: {host_label(json.loads(record.attrs['fingerprint']))})")
+    print(f"{len(records)} record(s) in {store}")
+    return EXIT_OK
+
+
+def load_histories(store: Path, keep: CaseFilter, since: str | None) -> list[history.CaseHistory]:
+    """Every host and case of the store that `keep` selects, its records along `commit` in the
+    order of the first-parent history (`git.commit_info`'s depth; commit time between equal
+    depths), from the commit `since` names on."""
+    files = sorted(store.glob("*/*/*.nc"))
+    if not files:
+        raise UsageError(f"--store {store} holds no records; add some with "
+                         "`precision-suite history record RESULTS --store DIR`")
+    since_depth = None
+    if since is not None:
+        root = git.repo_root()
+        since_depth = git.commit_info(root, git.resolve_commit(root, since, "--since"))["commit_depth"]
+    grouped: dict[tuple[str, str], list[xr.Dataset]] = {}
+    for file in files:
+        try:
+            record = load_dataset(file)
+        except Exception as exc:  # h5py/xarray raise many types for a damaged file
+            raise UsageError(f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {exc}); "
+                             "delete it and record that commit again") from None
+        if record.attrs.get("history_schema_version") != history.HISTORY_SCHEMA_VERSION:
+            raise UsageError(f"--store {store}: record {file} has history schema "
+                             f"{record.attrs.get('history_schema_version')!r}, this version reads "
+                             f"{history.HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
+        spec = json.loads(record.attrs.get("spec") or "{}")
+        if not keep.keeps(record.attrs["case"], spec):
+            continue
+        if since_depth is not None and int(record.attrs["commit_depth"]) < since_depth:
+            continue
+        grouped.setdefault((record.attrs["host"], record.attrs["case"]), []).append(record)
+    if not grouped:
+        raise UsageError(f"--store {store} holds no records of the selected cases"
+                         f"{' since ' + since if since else ''}; widen the selection")
+    return [_case_history(records) for _, records in sorted(grouped.items())]
+
+
+def _case_history(records: list[xr.Dataset]) -> history.CaseHistory:
+    records.sort(key=lambda r: (int(r.attrs["commit_depth"]), _dt.datetime.fromisoformat(r.attrs["commit_time"]),
+                                r.attrs["commit"]))
+    commits = [{name: r.attrs[name] for name in ("commit", "commit_time", "subject", "branch")} for r in records]
+    data = xr.concat(records, dim="commit", join="outer", coords="minimal",
+                     compat="override", combine_attrs="drop")
+    if "numel" in data.data_vars:  # the elements behind a count: one per cell, not per commit
+        data["numel"] = data["numel"].max("commit")
+    last = records[-1].attrs
+    return history.case_history(last["case"], last["host"], host_label(json.loads(last["fingerprint"])), commits,
+                                data.assign_coords(commit=[c["commit"] for c in commits]))
+
+
+def report_history(store_dir: str, keep: CaseFilter, *, since: str | None, report_dir: str | None,
+                   charts: str) -> int:
+    """Per host and case: the headline series over commits, their steps, the report folder."""
+    store = store_schema(Path(store_dir), create=False)
+    cases = load_histories(store, keep, since)
+    out = judging.report_dir(report_dir)  # only once the store has been read: nothing written on bad input
+    write_history_report(cases, out, charts=charts)
+    for case in cases:
+        print(f"{case.case} (host {case.host}: {case.host_label}): {len(case.commits)} commit(s), "
+              f"{len(case.steps)} step(s)")
+        for step in case.steps[:10]:
+            commit = case.commits[step.index]
+            print(f"  step at {commit['commit'][:12]} {commit['subject']!r}: {step.describe()}")
+        if len(case.steps) > 10:
+            print(f"  ... and {len(case.steps) - 10} more (summary.json)")
+    print(f"report: {out / 'index.html'}")
+    return EXIT_OK

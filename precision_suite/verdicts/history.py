@@ -1,0 +1,301 @@
+"""Numerics over commits: what a history record keeps of one run, and where its series step.
+
+A **record** is one case's run at one commit on one host, reduced to its headline series
+(`HEADLINE_METRICS`, per layer, tensor and layout as the run measured them):
+
+- `trained_<metric>`: the median over the run's trained points (every sampled step after the
+  first; the loss at every training step after the first), in the metric's own units. The median
+  is the statistic the trained comparison judges a series by (`ensemble.series_median_z`).
+- `trained_<metric>_noise`: how far that median moves between runs that differ by seed alone,
+  from the case's baseline ensemble (the spread of its members' medians). On one host a commit
+  that changes any number re-rolls a short run as far as another seed does (chaos), so this is
+  the size of a meaningless change of the trained series.
+- `replay_<metric>_delta`: the replay from the baseline's stored state against the stored replay,
+  at its last point. Replays do not wander with chaos: unchanged code gives rounding-size deltas
+  on any host, so these are the series worth tracking for small changes.
+- `replay_<metric>_noise`: the largest change the rounding twins made to that replay
+  (`replay_tolerance / FIRST_STEP_SAFETY`; for counts the `k` of the count model).
+
+Both noise levels come from the twins and seeds measured at regeneration (issue 12), never a
+constant; a case without a baseline (a user's model with none) records no noise and its series
+are drawn but not searched for steps.
+
+**Detection space.** Each metric is compared in the space its comparison uses (`ensemble.transform`:
+log of the norm and loss, log of 1 - cos), except counts: a count that steps from zero is the
+commonest regression (a block scale that flushes a tile), and ln(count + 1/2) makes the Poisson
+noise at zero look as large as a tenfold change. Counts use Anscombe's variance-stabilising
+transform 2 sqrt(count + 3/8) instead, where Poisson noise has spread 1 at every level.
+
+**Steps.** Commits that leave the numbers bitwise identical carry no new evidence (the same run
+twice), so a series is first collapsed into its epochs: runs of consecutive commits with equal
+values. Over the epochs, in units of the series' noise, PELT (ruptures, l2 cost) finds the
+segmentation that minimises the squared residuals plus a penalty per change. Under no change, the
+epochs of a series are independent draws of spread 1; splitting n of them anywhere lowers the
+squared residuals by a chi-squared(1) variable, so a penalty of z^2, z the two-sided normal
+quantile Bonferroni-corrected over the case's series and the n - 1 places a change can go
+(`step_penalty`), keeps a case's false steps at most `FALSE_ALARM_RATE`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ruptures
+import xarray as xr
+
+from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE, FIRST_STEP_SAFETY, SPACES, transform, z_threshold
+from precision_suite.verdicts.findings import TIME_DIMS, format_where, to_python
+
+HISTORY_SCHEMA_VERSION = 1  # the record layout below; bump on any change (jobs/history.py refuses others)
+HEADLINE_METRICS = ("attention_norm", "underflow", "distortion", "loss")
+KINDS = ("trained", "replay")
+POISSON_SPREAD = 1.0  # spread of Anscombe's 2 sqrt(count + 3/8) for Poisson counts, at any level
+
+
+def is_count(metric: str) -> bool:
+    return SPACES[metric].kind == "log_count"
+
+
+def detection_space(metric: str, values: np.ndarray | xr.DataArray, numel: np.ndarray | xr.DataArray | None = None
+                    ) -> np.ndarray:
+    """`values` where steps are sought (module docstring): counts 2 sqrt(count + 3/8), the other
+    metrics their comparison space."""
+    v = np.asarray(values, dtype=np.float64)
+    if not is_count(metric):
+        return transform(metric, v)
+    count = v * (1.0 if numel is None else np.asarray(numel, dtype=np.float64))
+    with np.errstate(invalid="ignore"):
+        return 2.0 * np.sqrt(np.maximum(count, 0.0) + 0.375)
+
+
+def _numel(ds: xr.Dataset, like: xr.DataArray, metric: str) -> xr.DataArray | None:
+    if not is_count(metric) or "numel" not in ds.data_vars:
+        return None
+    numel = ds["numel"]
+    return (numel.isel(seed=0, drop=True) if "seed" in numel.dims else numel).broadcast_like(like)
+
+
+def _time_dim(da: xr.DataArray) -> str:
+    return next(d for d in da.dims if d in TIME_DIMS)
+
+
+def _trained_median(da: xr.DataArray) -> xr.DataArray:
+    """The median over trained points (all but the first) of each series."""
+    time = _time_dim(da)
+    return da.isel({time: slice(1, None)}).median(time, skipna=True)
+
+
+def _last_point(da: xr.DataArray) -> xr.DataArray:
+    time = _time_dim(da)
+    return da.isel({time: -1}, drop=True)
+
+
+def summarize(run: xr.Dataset, *, ensemble: xr.Dataset | None = None, replay: xr.Dataset | None = None,
+              stored_replay: xr.Dataset | None = None) -> xr.Dataset:
+    """The record of `run` (module docstring), with its noise from the case's baseline `ensemble`
+    and the replay delta of `replay` against `stored_replay` when given."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells: pairs the run does not measure
+        return _summarize(run, ensemble, replay, stored_replay)
+
+
+def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset | None,
+               stored_replay: xr.Dataset | None) -> xr.Dataset:
+    variables: dict[str, xr.DataArray] = {}
+    for metric in HEADLINE_METRICS:
+        if metric not in run.data_vars or not any(d in TIME_DIMS for d in run[metric].dims):
+            continue
+        da = run[metric].astype(np.float64)
+        median = _trained_median(da)
+        variables[f"trained_{metric}"] = median.assign_attrs(
+            description=f"median of {metric} over the run's trained points")
+        if ensemble is not None and metric in ensemble.data_vars and "seed" in ensemble[metric].dims:
+            variables[f"trained_{metric}_noise"] = _trained_noise(metric, ensemble, median)
+        if replay is not None and stored_replay is not None and metric in replay.data_vars \
+                and metric in stored_replay.data_vars:
+            variables.update(_replay_delta(metric, replay, stored_replay))
+    if "numel" in run.data_vars:
+        variables["numel"] = run["numel"]
+    return xr.Dataset(variables, attrs={"history_schema_version": HISTORY_SCHEMA_VERSION})
+
+
+def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> xr.DataArray:
+    members = _trained_median(ensemble[metric].astype(np.float64))
+    members, like = xr.align(members, like, join="right", exclude=["seed"])
+    y = detection_space(metric, members.values, None if (n := _numel(ensemble, members, metric)) is None else n.values)
+    with np.errstate(invalid="ignore"):
+        spread = np.nanstd(y, axis=members.dims.index("seed"), ddof=1) if members.sizes["seed"] > 1 \
+            else np.full(like.shape, np.nan)
+    floor = POISSON_SPREAD if is_count(metric) else SPACES[metric].min_spread
+    noise = np.fmax(spread, floor)
+    dims = [d for d in members.dims if d != "seed"]
+    return xr.DataArray(noise, dims=dims, coords={d: members[d] for d in dims}).transpose(*like.dims).assign_attrs(
+        description=f"spread of the baseline ensemble members' trained medians, in {metric}'s detection space")
+
+
+def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[str, xr.DataArray]:
+    current, reference = xr.align(_last_point(replay[metric].astype(np.float64)),
+                                  _last_point(stored[metric].astype(np.float64)), join="inner")
+    numel = _numel(replay, current, metric)
+    n = None if numel is None else numel.values
+    delta = detection_space(metric, current.values, n) - detection_space(metric, reference.values, n)
+    if is_count(metric):
+        noise = max(float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)), POISSON_SPREAD)
+    else:
+        tolerance = json.loads(stored.attrs.get("replay_tolerance", "{}")).get(metric)
+        noise = max(float(tolerance) / FIRST_STEP_SAFETY, SPACES[metric].min_spread) if tolerance else math.nan
+    return {f"replay_{metric}_delta": current.copy(data=delta).assign_attrs(
+                description=f"the replay's last point minus the stored replay's, in {metric}'s detection space"),
+            f"replay_{metric}_noise": current.copy(data=np.full(current.shape, noise)).assign_attrs(
+                description="the largest change the rounding twins made to the stored replay")}
+
+
+# --------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class Step:
+    """A detected step of one series: from commit index `index` on, its level moved from `before`
+    to `after` (medians of the epochs on each side; trained: the metric's units, replay: the
+    delta in noise units), `size` noise units in the detection space."""
+
+    kind: str
+    metric: str
+    where: dict[str, Any]
+    index: int
+    before: float
+    after: float
+    size: float
+
+    @property
+    def series(self) -> str:
+        where = format_where(self.where)
+        return f"{self.kind} {self.metric}{' at ' + where if where else ''}"
+
+    def describe(self) -> str:
+        unit = "" if self.kind == "trained" else " noise units"
+        return (f"{self.series}: {self.before:.4g} -> {self.after:.4g}{unit} "
+                f"({self.size:+.1f} noise units)")
+
+
+def step_penalty(n_series: int, n_epochs: int, rate: float = FALSE_ALARM_RATE) -> float:
+    """PELT's penalty per change, in squared noise units (module docstring)."""
+    return z_threshold(max(n_series, 1) * max(n_epochs - 1, 1), rate) ** 2
+
+
+def epochs(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first index of each run of equal consecutive finite values, their values); NaN skipped."""
+    index = np.flatnonzero(np.isfinite(y))
+    values = y[index]
+    new = np.ones(values.size, dtype=bool)
+    new[1:] = values[1:] != values[:-1]
+    return index[new], values[new]
+
+
+def change_points(y: np.ndarray, noise: float, penalty_of: Any) -> list[int]:
+    """Indices of `y` (one value per commit) at which a new level starts; `penalty_of(n_epochs)`."""
+    starts, values = epochs(y)
+    if values.size < 2 or not noise > 0:
+        return []
+    signal = (values / noise).reshape(-1, 1)
+    ends = ruptures.Pelt(model="l2", min_size=1, jump=1).fit(signal).predict(pen=penalty_of(values.size))
+    return [int(starts[end]) for end in ends[:-1]]  # the last end is the series' end
+
+
+@dataclass
+class Series:
+    """One series of a case's history: per commit its value in natural units (`shown`) and in the
+    detection space (`y`, trained) or noise units (replay), and its noise level."""
+
+    kind: str
+    metric: str
+    where: dict[str, Any]
+    shown: np.ndarray
+    y: np.ndarray
+    noise: float
+
+
+def case_series(history: xr.Dataset) -> list[Series]:
+    """Every series of a case's history (records concatenated along `commit`)."""
+    found = []
+    for metric in HEADLINE_METRICS:
+        for kind in KINDS:
+            name = f"trained_{metric}" if kind == "trained" else f"replay_{metric}_delta"
+            if name not in history.data_vars:
+                continue
+            da = history[name].transpose("commit", ...)
+            noise_name = f"{name}_noise" if kind == "trained" else f"replay_{metric}_noise"
+            noise = history[noise_name].transpose("commit", ...) if noise_name in history.data_vars else None
+            numel = _numel(history, da, metric) if kind == "trained" else None
+            groups = [d for d in da.dims if d != "commit"]
+            coords = [(d, da[d].values) for d in groups]
+            for index in np.ndindex(*[da.sizes[d] for d in groups]):
+                cell = dict(zip(groups, index))
+                values = da.isel(cell).values
+                if not np.isfinite(values).any():
+                    continue
+                where = {d: to_python(c[i]) for (d, c), i in zip(coords, index)}
+                level = np.nan if noise is None else float(np.nanmedian(noise.isel(cell).values)) \
+                    if np.isfinite(noise.isel(cell).values).any() else np.nan
+                if kind == "trained":
+                    n = None if numel is None else numel.isel(cell).values
+                    found.append(Series(kind, metric, where, values, detection_space(metric, values, n), level))
+                else:
+                    found.append(Series(kind, metric, where, values / level if level > 0 else values * np.nan,
+                                        values, level))
+    return found
+
+
+def find_steps(series: Sequence[Series], rate: float = FALSE_ALARM_RATE) -> list[Step]:
+    """The steps of every series of one case with a noise level, largest first; each step's levels
+    are the medians of the segments PELT found on either side of it."""
+    searched = [s for s in series if s.noise > 0]
+    steps = []
+    for s in searched:
+        changes = change_points(s.y, s.noise, lambda n: step_penalty(len(searched), n, rate))
+        bounds = [0, *changes, s.y.size]
+        for i, index in enumerate(changes, start=1):
+            before, after = slice(bounds[i - 1], index), slice(index, bounds[i + 1])
+            steps.append(Step(s.kind, s.metric, s.where, index, _median(s.shown[before]), _median(s.shown[after]),
+                              (_median(s.y[after]) - _median(s.y[before])) / s.noise))
+    return sorted(steps, key=lambda step: -abs(step.size))
+
+
+def _median(values: np.ndarray) -> float:
+    return float(np.nanmedian(np.asarray(values, dtype=np.float64)))
+
+
+def steps_to_json(steps: Sequence[Step], commits: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Steps as summary.json lists them: the commit each starts at, named."""
+    return [{"series": step.series, "kind": step.kind, "metric": step.metric, "where": step.where,
+             "commit": commits[step.index]["commit"], "subject": commits[step.index]["subject"],
+             "before": step.before, "after": step.after, "size_in_noise": step.size}
+            for step in steps]
+
+
+@dataclass
+class CaseHistory:
+    """One case's records on one host along `commit` (oldest first), its series and their steps."""
+
+    case: str
+    host: str
+    host_label: str
+    commits: list[dict[str, str]]  # commit, commit_time, subject, branch
+    data: xr.Dataset
+    series: list[Series]
+    steps: list[Step]
+
+
+def case_history(case: str, host: str, host_label: str, commits: list[dict[str, str]], data: xr.Dataset,
+                 rate: float = FALSE_ALARM_RATE) -> CaseHistory:
+    """The history of one case on one host: its records along `commit`, oldest first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells: series some commits lack
+        series = case_series(data)
+    return CaseHistory(case, host, host_label, commits, data, series, find_steps(series, rate))
