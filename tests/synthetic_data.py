@@ -126,8 +126,8 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     import datetime
     import hashlib
 
-    from precision_suite.files import load_dataset, save_dataset
-    from precision_suite.jobs.history import host_of, record_path, store_schema
+    from precision_suite.files import load_dataset
+    from precision_suite.jobs.history import host_of, record_path, store_schema, write_record
     from precision_suite.verdicts import history
     from precision_suite.verdicts.baselines import baseline_path
     from precision_suite.verdicts.replays import replay_path
@@ -156,7 +156,7 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
                 if f"replay_{metric}_delta" in planted:
                     noise = planted[f"replay_{metric}_noise"].loc[where]
                     planted[f"replay_{metric}_delta"].loc[where] = planted[f"replay_{metric}_delta"].loc[where] + shift * noise
-            save_dataset(planted.assign_attrs(
+            write_record(planted.assign_attrs(
                 case=case, spec=ensemble.attrs["spec"], host=host, fingerprint=json.dumps(fingerprint),
                 recorded=start.isoformat(), package_version="synthetic", commit=sha,
                 commit_time=(start + datetime.timedelta(hours=i)).isoformat(), commit_depth=i + 1,

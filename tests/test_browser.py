@@ -22,10 +22,11 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
+from precision_suite import cli
 from precision_suite.reports import charts, reports
 from precision_suite.verdicts.baselines import compare
 from precision_suite.verdicts.checks import verdict
-from synthetic_data import make_run_dataset
+from synthetic_data import history_store, make_run_dataset
 
 REQUIRE_ENV = "PRECISION_SUITE_REQUIRE_BROWSER"
 INSTALL_HINT = "install it with `apt-get install chromium` (Debian/Ubuntu)"
@@ -139,15 +140,14 @@ def _resolves(target: str, report: Path, ids: set[str]) -> bool:
     return (report / unquote(parsed.path)).is_file()
 
 
-def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_screen(tmp_path):
-    browser = _chromium()
-    report = _failing_report(tmp_path)
+def rendered(browser: str, report: Path, profiles: Path) -> list[str]:
+    """What Chromium measured of `report`/index.html (CHECKER's lines), after checking that every
+    image source is embedded or resolves and every link leads somewhere in the folder."""
     index = report / "index.html"
-
-    dom = _run_chromium(browser, tmp_path / "profile-dom", "--dump-dom", index.as_uri())
+    dom = _run_chromium(browser, profiles / "profile-dom", "--dump-dom", index.as_uri())
     targets = _Targets()
     targets.feed(dom)
-    assert targets.sources, "the failing report shows no chart"
+    assert targets.sources, "the report shows no chart"
     for source in targets.sources:
         assert source.startswith("data:image/png;base64,") or _resolves(source, report, targets.ids), source
     unresolved = [link for link in targets.links if not _resolves(link, report, targets.ids)]
@@ -155,13 +155,21 @@ def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_s
 
     checker = report / ".browser-check.html"  # beside index.html: the frame loads it relatively
     checker.write_text(CHECKER.format(width=WINDOW[0], height=WINDOW[1]), encoding="utf-8")
-    measured_dom = _run_chromium(browser, tmp_path / "profile-check", "--allow-file-access-from-files",
+    measured_dom = _run_chromium(browser, profiles / "profile-check", "--allow-file-access-from-files",
                                  "--virtual-time-budget=10000", "--dump-dom", checker.as_uri())
     checker.unlink()
     measured = measured_dom.split('<pre id="measured">')[1].split("</pre>")[0].splitlines()
     images = [line for line in measured if line.startswith("image ")]
     assert len(images) == len(targets.sources)
     assert all(line.startswith("image loaded ") for line in images), images
+    return measured
+
+
+def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_screen(tmp_path):
+    browser = _chromium()
+    report = _failing_report(tmp_path)
+    index = report / "index.html"
+    measured = rendered(browser, report, tmp_path)
     first_screen = {line.split()[1]: line.split()[2] for line in measured if line.startswith("first-screen")}
     assert first_screen == {"verdict": "yes", "chart": "yes", "worst": "yes"}, first_screen
 
@@ -177,3 +185,18 @@ def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_s
     saved = os.environ.get("PRECISION_SUITE_SCREENSHOT")
     if saved:  # keep the screenshot for a person to look at
         shutil.copyfile(screenshot, saved)
+
+
+def test_history_report_loads_every_image_and_resolves_every_link(tmp_path):
+    """`history report` of a store built from the committed baselines, one series planted."""
+    browser = _chromium()
+    store = tmp_path / "store"
+    history_store(store, Path(__file__).parents[1] / "baselines", ["gpt-softmax-fp8-block", "vit-softmax-fp32"], 12,
+                  plant=("gpt-softmax-fp8-block", "underflow", dict(layer=5, tensor="gradient", layout="1x128"),
+                         4.0, 10.0, 6))
+    report = tmp_path / "report"
+    assert cli.main(["history", "report", "--store", str(store), "--report-dir", str(report)]) == 0
+    measured = rendered(browser, report, tmp_path)
+    assert len([line for line in measured if line.startswith("image loaded ")]) == 2  # a chart per case
+    first_screen = {line.split()[1]: line.split()[2] for line in measured if line.startswith("first-screen")}
+    assert first_screen["verdict"] == "yes" and first_screen["chart"] == "yes", first_screen  # the stepped case

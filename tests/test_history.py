@@ -102,7 +102,7 @@ def test_recording_a_commit_again_replaces_its_record(toy_history, tmp_path, mon
     for expected in ("recorded", "replaced"):
         assert cli.main(["history", "record", results, "--store", str(store), "--commit", "c2",
                          "--baseline-dir", str(toy_history["baselines"])]) == 0
-        assert capsys.readouterr().out.startswith(expected)
+        assert capsys.readouterr().out.splitlines()[1].strip().startswith(expected)
     records = [p for p in files_under(store) if p.suffix == ".nc"]
     assert len(records) == 1 and records[0].stem == toy_history["shas"][2]
 
@@ -206,11 +206,11 @@ def test_unchanged_commits_are_one_epoch():
 
 
 def test_null_series_give_no_step_at_the_design_rate_and_a_step_is_found_where_it_is():
-    """2000 series of 30 epochs of unit noise, the penalty Bonferroni-corrected over them: a false
+    """500 series of 30 epochs of unit noise, the penalty Bonferroni-corrected over them: a false
     step anywhere has probability at most FALSE_ALARM_RATE (1e-3), so none is expected; a step
     of 6 noise units is found at its commit."""
     rng = np.random.default_rng(1)
-    n_series, n = 2000, 30
+    n_series, n = 500, 30
     penalty = lambda epochs: history.step_penalty(n_series, epochs)  # noqa: E731
     false = sum(bool(history.change_points(rng.standard_normal(n), 1.0, penalty)) for _ in range(n_series))
     assert false == 0
