@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, meta in (("--case", "ID"), ("--model", "NAME"), ("--attention", "NAME"), ("--recipe", "NAME")):
         group.add_argument(flag, action="append", metavar=meta)
     history_report.add_argument("--since", metavar="REF", default=None,
-                                help="only commits from this one on (by commit time)")
+                                help="only commits from this one on (by depth in the first-parent history)")
     history_report.add_argument("--report-dir", metavar="DIR",
                                 help=f"write the report here (default: a new {DEFAULT_REPORT_ROOT}/<timestamp>/)")
     history_report.add_argument("--charts", choices=CHART_CHOICES, default="all",

@@ -161,8 +161,10 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
     for path, record in records:
         replaced = path.exists()
         write_record(record, path)
+        unmeasured = "" if any(name.endswith("_noise") for name in record.data_vars) else \
+            f"; no baseline in {baseline_dir}/, so no noise level: its series are drawn, not searched for steps"
         print(f"  {'replaced' if replaced else 'recorded'} {record.attrs['case']} "
-              f"(host {record.attrs['host']}: {host_label(json.loads(record.attrs['fingerprint']))})")
+              f"(host {record.attrs['host']}: {host_label(json.loads(record.attrs['fingerprint']))}){unmeasured}")
     print(f"{len(records)} record(s) in {store}")
     return EXIT_OK
 
