@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the selection with the code of commit BASE (checked out in a temporary git "
                     "worktree) and with HEAD's (default: the working tree), on this machine with the "
                     "same seeds, so the runs are bitwise identical unless the code changed the numbers. "
-                    "Prints per case the first step at which each metric differs, judges HEAD against "
-                    "BASE with the baseline tolerances (and --fail) and writes a report drawing both. "
+                    "Prints per case the first step at which each metric differs and the change's size "
+                    "there measured cleanly (both codes replay from BASE's state at that step), judges "
+                    "HEAD against BASE with the baseline tolerances (and --fail) and writes a report "
+                    "drawing both. "
                     "Exit 0 unchanged or within tolerance, 1 a metric moved beyond it, 2 bad usage or "
                     "a side that cannot run.")
     diff.add_argument("base", metavar="BASE", help="the reference commit: a branch, tag or SHA")

@@ -1,6 +1,8 @@
 """`precision-suite diff` and `bisect` on a real git repository built here: 8 commits of a user's
 package whose commit 5 plants a numerics change from step 2 on (half the hidden features shrink
-a millionfold, so FP8 blocks underflow), the others change no number."""
+a millionfold, so FP8 blocks underflow), the others change no number. The plant switches on when
+training has moved the weights far enough, so a replay from a training state (which carries the
+weights) switches it on as the run does."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from precision_suite import cli
+from precision_suite.jobs import diff
+from precision_suite.jobs.diff import Measurement
+from precision_suite.verdicts.differences import Difference
 
 MODEL = '''"""A user's model: one attention block (F.scaled_dot_product_attention) and an MLP."""
 import torch
@@ -26,10 +31,10 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.fc1 = nn.Linear(width, 4 * width)
         self.fc2 = nn.Linear(4 * width, width)
-        self.calls = 0  # forward calls: one per training step
+        # fc1's seeded weights, on the model's device: how far training moved them counts the steps
+        self.register_buffer("seeded", self.fc1.weight.detach().clone(), persistent=False)
 
     def forward(self, x):
-        self.calls += 1
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         x = x + F.scaled_dot_product_attention(q, k, v)
         h = torch.relu(self.fc1(x))
@@ -57,8 +62,10 @@ def batch(spec, generator):
     x = torch.randn(spec.batch_size or 8, TOKENS, spec.width or WIDTH, generator=generator)
     return x, x[:, 0, :10].argmax(dim=-1)
 '''
-PLANT = '''if self.calls > 2:  # from step 2 on: half the hidden features shrink a millionfold
-            h = torch.cat([h[..., ::2], 1e-6 * h[..., 1::2]], dim=-1)'''
+# AdamW's first step moves each weight by lr = 1e-3, the next ones by about lr at most: the
+# weights have moved further than 1.5e-3 from step 2 on, in a run or in a replay from its state
+PLANT = '''if (self.fc1.weight.detach() - self.seeded).abs().max() > 1.5e-3:  # from step 2 on
+            h = torch.cat([h[..., ::2], 1e-6 * h[..., 1::2]], dim=-1)  # half the hidden features shrink a millionfold'''
 CASES = '''[[case]]
 model = "toy.model:build"
 batches = "toy.model:batch"
@@ -92,8 +99,8 @@ def make_toy_repo(repo: Path) -> dict[int, str]:
         1: ("toy: a one-block attention model, its batches and a tiny case",
             lambda: (model.write_text(MODEL), readme.write_text("# toy\n"), (repo / "cases.toml").write_text(CASES))),
         2: ("README: how to run the case", lambda: readme.write_text("# toy\n\nprecision-suite run --config cases.toml\n")),
-        3: ("toy: say what Block counts", lambda: model.write_text(MODEL.replace("one per training step",
-                                                                                  "one per training step (no eval)"))),
+        3: ("toy: say what Block counts", lambda: model.write_text(MODEL.replace(
+            "counts the steps", "counts the steps (AdamW moves each by about lr a step)"))),
         4: ("README: the config", lambda: readme.write_text(readme.read_text() + "\ncases.toml holds one case.\n")),
         5: ("toy: shrink half the hidden features from step 2", lambda: model.write_text(
             model.read_text().replace("# PLANT", PLANT))),
@@ -124,28 +131,67 @@ def worktrees(repo: Path) -> list[str]:
     return git(repo, "worktree", "list").splitlines()
 
 
-def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, capsys):
+@pytest.fixture
+def interpreters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """The options of every `train_specs` interpreter diff starts, in order."""
+    started: list[tuple[str, ...]] = []
+    fresh = diff.fresh_interpreter
+
+    def counted(module: str, *args: str) -> list[str]:
+        started.append(args[2:])  # after SPECS.json and OUT
+        return fresh(module, *args)
+
+    monkeypatch.setattr(diff, "fresh_interpreter", counted)
+    return started
+
+
+def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, capsys, interpreters):
     repo, _ = toy_repo
     report = tmp_path / "report"
     assert cli.main(["diff", "c4", "c5", *CONFIG, "--report-dir", str(report)]) == 1
     out = capsys.readouterr().out
     headline = next(line for line in out.splitlines() if line.startswith("numerics changed:"))
-    # the plant acts from the third forward call: step 2 is the first that differs
+    # the plant acts once two steps have moved the weights: step 2 is the first that differs
     assert " from step 2: " in headline, out
     assert "layer 0" in out and "underflow" in out
     assert "FAIL" in out
+    # measured cleanly: BASE keeps its state before step 2 and replays, HEAD replays from that state
+    assert [options[0] for options in interpreters] == ["--workers", "--workers", "--keep-state-at", "--replay-from"]
+    assert interpreters[2] == ("--keep-state-at", "2")
+    measured = next(line for line in out.splitlines() if line.startswith("    measured from"))
+    assert measured.startswith("    measured from BASE's state at step 2 (both codes replay steps 2-3): "
+                               "underflow at layer 0, tensor activation, layout 1x128: 0 -> 0."), out
+    assert "(+0." in measured  # the plant's underflow, not zero
     summary = json.loads((report / "summary.json").read_text())
     assert [case["status"] for case in summary["cases"]] == ["fail"]
     assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift.png"))
     assert len(worktrees(repo)) == 1  # the temporary worktrees are gone
 
 
-def test_diff_without_a_numeric_change_is_bitwise_identical(toy_repo, tmp_path, capsys):
+def test_diff_without_a_numeric_change_is_bitwise_identical(toy_repo, tmp_path, capsys, interpreters):
     repo, _ = toy_repo
     assert cli.main(["diff", "c2", "c3", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
     assert "numerics unchanged: toy.model-build-softmax-fp32-" in out and "bitwise identical" in out
+    assert len(interpreters) == 2 and "measured" not in out  # nothing to replay
     assert len(worktrees(repo)) == 1
+
+
+def test_a_replay_that_cannot_run_is_one_line_and_the_diff_goes_on(toy_repo, tmp_path, capsys):
+    repo, _ = toy_repo
+    # HEAD: the plant, and a parameter BASE's state lacks (zeros: the seeded weights stay as they were)
+    model = repo / "toy" / "model.py"
+    model.write_text(git(repo, "show", "c5:toy/model.py").replace(
+        "self.head = nn.Linear(width, 10)",
+        "self.head = nn.Linear(width, 10)\n        self.spare = nn.Parameter(torch.zeros(3))"))
+    assert cli.main(["diff", "c4", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("numerics changed:") and " from step 2: " in line for line in out)
+    problem = [line for line in out if "clean measurement" in line]
+    assert len(problem) == 1 and problem[0].startswith(
+        "    no clean measurement from BASE's state at step 2: HEAD (working tree) cannot replay: "), out
+    assert "parameters of another model" in problem[0] and "spare (3,) only in the model" in problem[0]
+    assert any(line.startswith("FAIL ") for line in out) and len(worktrees(repo)) == 1
 
 
 def test_bisect_names_commit_5_and_restores_the_branch(toy_repo, capsys):
@@ -204,6 +250,21 @@ def test_bisect_with_a_metric_that_did_not_move_has_nothing_to_bisect(toy_repo, 
     out = capsys.readouterr().out
     assert f"BAD {shas[8][:7]} is within tolerance of GOOD {shas[1][:7]}: nothing to bisect" in out
     assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+
+
+def test_a_clean_measurement_says_what_it_replayed_or_why_not():
+    underflow = Difference("underflow", 3, {"layer": 0}, 0.0, 0.5, 1)
+    loss = Difference("loss", 4, {}, 2.0, 2.5, 1)
+    assert Measurement(3, 2, (underflow, loss)).lines() == [
+        "    measured from BASE's state at step 3 (both codes replay steps 3-4): "
+        "underflow at layer 0: 0 -> 0.5 (+0.5; 1 value differs)",
+        "        from step 4: loss: 2 -> 2.5 (+0.5, x1.25; 1 value differs)"]
+    assert Measurement(3, 1, (loss,)).lines()[0].endswith("(both codes replay step 3): from step 4: loss: "
+                                                          "2 -> 2.5 (+0.5, x1.25; 1 value differs)")
+    assert "replay steps 3-4): bitwise identical; " in Measurement(3, 2).lines()[0]
+    assert Measurement(3, 2, problem="HEAD cannot replay: why").lines() == [
+        "    no clean measurement from BASE's state at step 3: HEAD cannot replay: why"]
+    assert "(no replay)" in Measurement(0, 0).lines()[0]
 
 
 def test_first_differences_finds_the_first_step_and_the_largest_cell():

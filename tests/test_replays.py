@@ -106,6 +106,38 @@ def test_a_state_of_another_model_or_step_is_refused_clearly(kept):
         replays.replay(SPEC, state.drop_vars("state_weight_change"))
 
 
+def test_a_state_kept_at_any_step_is_the_runs_and_replays_deterministically(kept, tmp_path):
+    _, stored, _ = kept
+    # trained only up to its step, the state is the one the whole run keeps there, to the bit
+    assert replays.keep_state(SPEC, replays.replay_start(SPEC)).equals(stored)
+    assert replays.replay(SPEC, stored, replays.replay_start(SPEC)).equals(kept[2])  # as a stored baseline's
+    state = load_dataset(save_dataset(replays.keep_state(SPEC, 1), tmp_path / "state.nc"))
+    first, again = replays.replay(SPEC, state, 1), replays.replay(SPEC, state, 1)
+    assert first.equals(again) and first.attrs["replayed_from"] == 1
+    assert list(first["step"].values) == [1, 2] and list(first["train_step"].values) == [1, 2, 3]
+    with pytest.raises(ValueError, match="kept before step 1, but this spec replays from step 2$"):
+        replays.replay(SPEC, state, 2)
+    with pytest.raises(ValueError, match="regenerate the baseline"):  # a stored baseline's replay starts later
+        replays.replay(SPEC, state)
+
+
+def test_a_replay_near_the_end_trains_the_steps_left():
+    state = replays.keep_state(SPEC, SPEC.steps - 1)
+    assert replays.replay_steps(SPEC, SPEC.steps - 1) == 1
+    assert list(replays.replay(SPEC, state, SPEC.steps - 1)["train_step"].values) == [SPEC.steps - 1, SPEC.steps]
+    for start in (0, SPEC.steps):
+        with pytest.raises(ValueError, match=f"steps 1 to {SPEC.steps - 1}, not before step {start}"):
+            replays.keep_state(SPEC, start)
+
+
+def test_a_users_model_keeps_a_state_for_diff():
+    spec = RunSpec(model="user_code:build", batches="user_code:batches", steps=3, sample_every=1)
+    state = replays.keep_state(spec, 1)
+    assert replays.replay(spec, state, 1).equals(replays.replay(spec, state, 1))
+    with pytest.raises(ValueError, match="parameters of another model .*only in the"):
+        replays.replay(dataclasses.replace(spec, depth=1), state, 1)
+
+
 def test_short_runs_and_user_models_keep_no_state():
     assert replays.replay_start(dataclasses.replace(SPEC, steps=replays.REPLAY_STEPS)) is None
     with pytest.raises(ValueError, match="keep no replay state"):

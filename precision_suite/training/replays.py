@@ -19,6 +19,10 @@ loss at the stored state by 2%). The rounded weights W_0 + dequant(dW) are the r
 both sides. The optimizer starts afresh (AdamW's moments would triple
 the storage); the data stream continues where the run was (its generator state and token count).
 Stochastic rounding's generators restart from their seeds, the same on both sides.
+
+`diff` uses the same machinery at any step and for any model, storing nothing: `keep_state` trains
+BASE's code up to the first step at which BASE's and HEAD's runs differ and keeps the state there,
+then `replay(spec, state, start)` trains the next steps from it with each side's code.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def replay_start(spec: RunSpec) -> int | None:
     return spec.steps - REPLAY_STEPS
 
 
+def replay_steps(spec: RunSpec, start: int) -> int:
+    """How many steps a replay from before step `start` trains: REPLAY_STEPS, fewer where the
+    run ends sooner (a stored baseline's replay, from replay_start, always trains REPLAY_STEPS)."""
+    return min(REPLAY_STEPS, spec.steps - start)
+
+
 def replay_spec(spec: RunSpec, stored: xr.Dataset) -> RunSpec:
     """`spec` as its replay from the state in `stored` (a stored replay, or any dataset whose
     `spec` attribute names the seed that kept the state) runs: that seed, the spec's own threads
@@ -66,12 +76,26 @@ def run_keeping_state(spec: RunSpec) -> xr.Dataset:
 
     def keep(trainer: Trainer, step: int) -> None:
         if step == 0:
-            kept["initial"] = [p.detach().to("cpu", copy=True) for p in trainer.model.parameters()]
+            kept["initial"] = _weights(trainer)
         elif step == start:
             kept["state"] = _encode_state(trainer, kept.pop("initial"), start)
 
     ds = run(spec, before_step=keep)
     return ds.assign(kept["state"].data_vars)
+
+
+def keep_state(spec: RunSpec, start: int) -> xr.Dataset:
+    """The state of `spec`'s run before step `start` (0 < start < steps), training only the steps
+    before it, exactly as `runs.run` trains them (probes on the same steps). Any model, a user's
+    too: `diff` keeps the state in a temporary file, never stores it."""
+    _check_start(spec, start)
+    with seeded(spec) as device:
+        trainer = Trainer(spec, device)
+        initial = _weights(trainer)
+        sampled = set(spec.sampled_steps())
+        for step in range(start):
+            trainer.step(step, sample=step in sampled)
+        return _encode_state(trainer, initial, start)
 
 
 def split_state(ds: xr.Dataset) -> tuple[xr.Dataset, xr.Dataset]:
@@ -84,28 +108,50 @@ def has_state(ds: xr.Dataset) -> bool:
     return f"{STATE_PREFIX}weight_change" in ds.data_vars
 
 
-def replay(spec: RunSpec, state: xr.Dataset) -> xr.Dataset:
-    """Train `spec`'s replayed steps from `state` (a dataset holding `state_*` variables), probes
-    on every one; a run dataset whose steps are the replayed ones and whose loss and accuracy run
-    one step further (the batch after them, not trained on)."""
+def state_start(state: xr.Dataset) -> int:
+    """The step `state` was kept before: its replay's first step."""
+    return int(state[f"{STATE_PREFIX}start_step"])
+
+
+def replay(spec: RunSpec, state: xr.Dataset, start: int | None = None) -> xr.Dataset:
+    """Train `replay_steps(spec, start)` steps of `spec` from `state` (a dataset holding `state_*`
+    variables), probes on every one; a run dataset whose steps are the replayed ones and whose
+    loss and accuracy run one step further (the batch after them, not trained on).
+
+    `start`: the step the state was kept before (`keep_state`); None: a stored baseline's state,
+    kept before `replay_start(spec)` (a state of another step or model asks for regeneration)."""
     if not has_state(state):
         raise ValueError("replay: the dataset holds no training state (state_weight_change); "
                          "regenerate the baseline to store one")
-    start = int(state[f"{STATE_PREFIX}start_step"])
-    if start != replay_start(spec):
-        raise ValueError(f"replay: the state was kept before step {start}, but this spec replays "
-                         f"from step {replay_start(spec)}; regenerate the baseline")
+    kept = state_start(state)
+    expected = replay_start(spec) if start is None else _check_start(spec, start)
+    hint = "; regenerate the baseline" if start is None else ""
+    if kept != expected:
+        raise ValueError(f"replay: the state was kept before step {kept}, but this spec replays "
+                         f"from step {expected}{hint}")
     with seeded(spec) as device:
         trainer = Trainer(spec, device)  # the seeded initial weights W_0 (and the recipe's generators)
-        _load_state(trainer, state)
-        steps = np.arange(start, start + REPLAY_STEPS + 1)
+        _load_state(trainer, state, hint)
+        steps = np.arange(kept, kept + replay_steps(spec, kept) + 1)
         losses, accuracies = np.empty(steps.size), np.empty(steps.size)
         tokens = []
         for i, step in enumerate(steps[:-1]):
             losses[i], accuracies[i] = trainer.step(int(step), sample=True)
             tokens.append(trainer.tokens_seen)
         losses[-1], accuracies[-1] = trainer.evaluate()
-        return trained_dataset(trainer, steps, losses, accuracies, tokens, attrs={"replayed_from": start})
+        return trained_dataset(trainer, steps, losses, accuracies, tokens, attrs={"replayed_from": kept})
+
+
+def _check_start(spec: RunSpec, start: int) -> int:
+    if not 0 < start < spec.steps:
+        raise ValueError(f"a state is kept before one of the run's steps 1 to {spec.steps - 1}, "
+                         f"not before step {start}")
+    return start
+
+
+def _weights(trainer: Trainer) -> list[torch.Tensor]:
+    """A copy of the model's weights, on the CPU (the seeded W_0 a state's change is taken from)."""
+    return [p.detach().to("cpu", copy=True) for p in trainer.model.parameters()]
 
 
 def _encode_state(trainer: Trainer, initial: list[torch.Tensor], start: int) -> xr.Dataset:
@@ -132,13 +178,14 @@ def _encode_state(trainer: Trainer, initial: list[torch.Tensor], start: int) -> 
     })
 
 
-def _load_state(trainer: Trainer, state: xr.Dataset) -> None:
+def _load_state(trainer: Trainer, state: xr.Dataset, hint: str = "; regenerate the baseline") -> None:
     codes = state[f"{STATE_PREFIX}weight_change"]
     table = json.loads(codes.attrs["parameters"])
     params = list(trainer.model.named_parameters())
     if [[name, list(p.shape)] for name, p in params] != table:
-        raise ValueError("replay: the stored state holds the parameters of another model "
-                         f"({len(table)} tensors stored, the model has {len(params)}); regenerate the baseline")
+        raise ValueError("replay: the state holds the parameters of another model "
+                         f"({len(table)} tensors stored, the model has {len(params)}: "
+                         f"{_mismatch(dict(table), {name: list(p.shape) for name, p in params})}){hint}")
     n = codes.size
     raw = torch.from_numpy(np.asarray(codes.values, dtype=np.float32))
     raw = torch.nn.functional.pad(raw, (0, -n % STATE_BLOCK)).reshape(-1, STATE_BLOCK)
@@ -152,3 +199,13 @@ def _load_state(trainer: Trainer, state: xr.Dataset) -> None:
     trainer.data_rng.set_state(torch.from_numpy(np.asarray(state[f"{STATE_PREFIX}data_generator"].values,
                                                            dtype=np.uint8)))
     trainer.tokens_seen = int(state[f"{STATE_PREFIX}tokens_seen"])
+
+
+def _mismatch(stored: dict[str, list[int]], model: dict[str, list[int]], most: int = 3) -> str:
+    """How the state's parameters (name -> shape) differ from the model's, the first `most`."""
+    found = [f"{name} {tuple(shape)} only in the model" for name, shape in model.items() if name not in stored]
+    found += [f"{name} {tuple(shape)} only in the state" for name, shape in stored.items() if name not in model]
+    found += [f"{name} {tuple(shape)} in the state, {tuple(model[name])} in the model"
+              for name, shape in stored.items() if name in model and model[name] != shape]
+    more = f" (+{len(found) - most} more)" if len(found) > most else ""
+    return "; ".join(found[:most]) + more if found else "the same tensors in another order"
