@@ -106,6 +106,18 @@ def test_recording_a_commit_again_replaces_its_record(toy_history, tmp_path, mon
     records = [p for p in files_under(store) if p.suffix == ".nc"]
     assert len(records) == 1 and records[0].stem == toy_history["shas"][2]
 
+    # another seed's run of the case is another series, never a step of the first one
+    from precision_suite.files import load_dataset, save_dataset
+    (result,) = [load_dataset(p) for p in Path(results).glob("*.nc")]
+    spec = json.loads(result.attrs["spec"])
+    save_dataset(result.assign_attrs(spec=json.dumps({**spec, "seed": 7})), tmp_path / "seed7" / "toy.nc")
+    assert cli.main(["history", "record", str(tmp_path / "seed7"), "--store", str(store), "--commit", "c2",
+                     "--baseline-dir", str(toy_history["baselines"])]) == 0
+    assert cli.main(["history", "report", "--store", str(store), "--report-dir", str(tmp_path / "report"),
+                     "--charts", "none"]) == 0
+    cases = json.loads((tmp_path / "report" / "summary.json").read_text())["cases"]
+    assert sorted(c["case"] for c in cases) == [result.attrs["case"], f"{result.attrs['case']} seed 7"]
+
 
 def test_two_processes_recording_at_once_both_land(toy_history, tmp_path):
     store = tmp_path / "store"

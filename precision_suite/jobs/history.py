@@ -104,8 +104,14 @@ def store_schema(store: Path, *, create: bool) -> Path:
     return store
 
 
-def record_path(store: Path, host: str, case: str, sha: str) -> Path:
-    return store / host / safe_filename(case) / f"{sha}.nc"
+def series_name(case: str, seed: int) -> str:
+    """A history's name: the case, and the seed when a run was trained with another than 0 (a
+    case id leaves the seed out, and another seed's run is another series, not a step)."""
+    return case if seed == 0 else f"{case} seed {seed}"
+
+
+def record_path(store: Path, host: str, case: str, sha: str, seed: int = 0) -> Path:
+    return store / host / safe_filename(series_name(case, seed)) / f"{sha}.nc"
 
 
 def write_record(record: xr.Dataset, path: Path) -> None:
@@ -152,8 +158,9 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
         ensemble, stored_replay = _stored(baseline_dir, case, ds.attrs.get("spec"))
         host, fingerprint = host_of(ds)
         record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
-        records.append((record_path(Path(store_dir), host, case, info["commit"]), record.assign_attrs(
-            case=case, spec=ds.attrs.get("spec", ""), host=host, fingerprint=json.dumps(fingerprint, sort_keys=True),
+        seed = int(json.loads(ds.attrs.get("spec") or "{}").get("seed") or 0)
+        records.append((record_path(Path(store_dir), host, case, info["commit"], seed), record.assign_attrs(
+            case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host, fingerprint=json.dumps(fingerprint, sort_keys=True),
             recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             package_version=__version__, **info)))
     store = store_schema(Path(store_dir), create=True)
@@ -197,14 +204,15 @@ def load_histories(store: Path, keep: CaseFilter, since: str | None) -> list[his
             continue
         if since_depth is not None and int(record.attrs["commit_depth"]) < since_depth:
             continue
-        grouped.setdefault((record.attrs["host"], record.attrs["case"]), []).append(record)
+        key = series_name(record.attrs["case"], int(record.attrs.get("seed", 0)))
+        grouped.setdefault((record.attrs["host"], key), []).append(record)
     if not grouped:
         raise UsageError(f"--store {store} holds no records of the selected cases"
                          f"{' since ' + since if since else ''}; widen the selection")
-    return [_case_history(records) for _, records in sorted(grouped.items())]
+    return [_case_history(name, records) for (_, name), records in sorted(grouped.items())]
 
 
-def _case_history(records: list[xr.Dataset]) -> history.CaseHistory:
+def _case_history(name: str, records: list[xr.Dataset]) -> history.CaseHistory:
     records.sort(key=lambda r: (int(r.attrs["commit_depth"]), _dt.datetime.fromisoformat(r.attrs["commit_time"]),
                                 r.attrs["commit"]))
     commits = [{name: r.attrs[name] for name in ("commit", "commit_time", "subject", "branch")} for r in records]
@@ -213,7 +221,7 @@ def _case_history(records: list[xr.Dataset]) -> history.CaseHistory:
     if "numel" in data.data_vars:  # the elements behind a count: one per cell, not per commit
         data["numel"] = data["numel"].max("commit")
     last = records[-1].attrs
-    return history.case_history(last["case"], last["host"], host_label(json.loads(last["fingerprint"])), commits,
+    return history.case_history(name, last["host"], host_label(json.loads(last["fingerprint"])), commits,
                                 data.assign_coords(commit=[c["commit"] for c in commits]))
 
 
