@@ -51,7 +51,8 @@ def compare_asv(store: Path, planted: set[tuple]) -> None:
     from asv.step_detect import detect_steps
 
     found = {"precision-suite (ruptures PELT, twins' noise)": [], "asv detect_steps (own noise estimate)": []}
-    for case in load_histories(store, CaseFilter(), None):
+    cases = load_histories(store, CaseFilter(), None)
+    for case in cases:
         for step in case.steps:
             found["precision-suite (ruptures PELT, twins' noise)"].append(
                 (case.case, step.kind, step.metric, tuple(step.where.items()), step.index))
@@ -59,7 +60,7 @@ def compare_asv(store: Path, planted: set[tuple]) -> None:
             segments = detect_steps([float(v) for v in s.y])
             found["asv detect_steps (own noise estimate)"] += [
                 (case.case, s.kind, s.metric, tuple(s.where.items()), left) for left, *_ in segments[1:]]
-    n_series = sum(len(c.series) for c in load_histories(store, CaseFilter(), None))
+    n_series = sum(len(c.series) for c in cases)
     print(f"\n{n_series} series; planted: {len(planted)}")
     print("| detector | steps at the plant | steps elsewhere |\n|---|---|---|")
     for name, steps in found.items():
@@ -81,7 +82,7 @@ def main() -> None:
             build(store, args.commits)
             print(f"built {args.commits} commits in {time.perf_counter() - start:.1f} s", file=sys.stderr)
             planted = {(PLANT_CASE, kind, "underflow", tuple(PLANT_CELL.items()), PLANT_FROM)
-                       for kind in ("trained", "replay")}
+                       for kind in ("trained", "replay") if PLANT_FROM < args.commits}
         records = len(list(store.glob("*/*/*.nc")))
         for charts in ("all", "none"):
             print(f"history report --charts {charts}: {records} records, {time_report(store, charts):.1f} s")

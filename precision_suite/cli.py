@@ -167,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "and named by commit, as index.html, summary.md and summary.json.")
     history_report.add_argument("--store", required=True, metavar="DIR", help="the history store")
     group = history_report.add_argument_group("selection (default: every case of the store)")
-    for flag, meta in (("--case", "ID"), ("--model", "NAME"), ("--attention", "NAME"), ("--recipe", "NAME")):
-        group.add_argument(flag, action="append", metavar=meta)
+    for flag, meta, example in (("--case", "ID", "an exact case id"), ("--model", "NAME", "e.g. vit, gpt"),
+                                ("--attention", "NAME", "e.g. softmax, x/1"), ("--recipe", "NAME", "e.g. fp8-block")):
+        group.add_argument(flag, action="append", metavar=meta, help=f"{example} (repeat to pick several)")
+    history_report.add_argument("--branch", metavar="NAME", default=None,
+                                help="only the records of this branch (default: every record of the store)")
     history_report.add_argument("--since", metavar="REF", default=None,
                                 help="only commits from this one on (by depth in the first-parent history)")
     history_report.add_argument("--report-dir", metavar="DIR",
@@ -371,7 +374,8 @@ def _cmd_history_record(args: argparse.Namespace, commands: ModuleType, _calibra
 
 def _cmd_history_report(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
     keep = commands.CaseFilter(case=args.case, model=args.model, attention=args.attention, recipe=args.recipe)
-    return commands.report_history(args.store, keep, since=args.since, report_dir=args.report_dir, charts=args.charts)
+    return commands.report_history(args.store, keep, since=args.since, branch=args.branch, report_dir=args.report_dir,
+                                   charts=args.charts)
 
 
 def _cmd_baseline_update(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:

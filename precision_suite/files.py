@@ -77,19 +77,17 @@ def read_toml(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path} is not valid TOML: {err}; fix the file") from None
 
 
-def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True,
-                 engine: str = NETCDF_ENGINE) -> Path:
-    """Write `ds` as netCDF4 atomically; gzip keeps baselines at tens of kB. `engine="scipy"`
-    writes netCDF classic (no compression): small files that read 20x faster (jobs/history.py)."""
-    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} \
-        if compress and engine == NETCDF_ENGINE else None
+def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True) -> Path:
+    """Write `ds` as netCDF4 atomically; gzip keeps baselines at tens of kB."""
+    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} if compress else None
     with atomic_path(path) as tmp:
-        ds.to_netcdf(tmp, engine=engine, encoding=encoding)  # type: ignore[call-overload]
+        ds.to_netcdf(tmp, engine=NETCDF_ENGINE, encoding=encoding)  # type: ignore[call-overload]
     return Path(path)
 
 
 def load_dataset(path: str | os.PathLike, engine: str = NETCDF_ENGINE) -> xr.Dataset:
-    """Read a dataset written by `save_dataset` fully into memory (the file is closed after)."""
+    """Read a dataset written by `save_dataset` (or, with `engine="scipy"`, a netCDF classic file:
+    jobs/history.py's records) fully into memory (the file is closed after)."""
     import xarray as xr
 
     path = Path(path)

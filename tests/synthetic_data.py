@@ -9,6 +9,7 @@ fully determined by the seed.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import xarray as xr
@@ -117,38 +118,46 @@ def fake_replays(monkeypatch, fake_run) -> None:
 def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: int = 5, plant=None,
                   seed: int = 0) -> list[str]:
     """A history store of `n_commits` commits of `cases`, built from their committed baselines
-    without training: a commit changes the numbers every `epoch_every` commits (the same numbers
-    in between, as on one host), and each change re-rolls the trained series to another member of
-    the seed ensemble (chaos) and the replay deltas by half their rounding noise. `plant` =
-    (case, metric, where, factor, replay_shift, from_commit): from that commit on, the trained
-    series at `where` is `factor` times larger and its replay delta `replay_shift` noise units
-    larger. Returns the commits' SHAs, oldest first."""
+    without training: a commit changes the numbers every `epoch_every` commits (the same numbers in
+    between, as on one host). Each change re-rolls every trained series by a fresh normal draw of
+    its recorded noise (in the detection space: chaos moves a short run as far as another seed),
+    and every replay delta by a normal draw of half its noise (the largest change the twins made).
+    `plant` = (case, metric, where, factor, replay_shift, from_commit): from that commit on, the
+    trained series at `where` is `factor` times larger and its replay delta `replay_shift` noise
+    units larger. Returns the commits' SHAs, oldest first."""
     import datetime
     import hashlib
 
     from precision_suite.files import load_dataset
-    from precision_suite.jobs.history import host_of, record_path, store_schema, write_record
+    from precision_suite.jobs.history import encode_record, host_of, record_path, store_schema, write_record
+    from precision_suite.verdicts import ensemble as ens
     from precision_suite.verdicts import history
-    from precision_suite.verdicts.baselines import baseline_path
-    from precision_suite.verdicts.replays import replay_path
 
     store_schema(store, create=True)
     rng = np.random.default_rng(seed)
     shas = [hashlib.sha1(f"commit {i}".encode()).hexdigest() for i in range(n_commits)]
     start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
     for case in cases:
-        ensemble = load_dataset(baseline_path(baseline_dir, case))
-        stored = load_dataset(replay_path(baseline_dir, case)) if replay_path(baseline_dir, case).is_file() else None
-        members = [history.summarize(ensemble.isel(seed=k, drop=True), ensemble=ensemble, replay=stored,
-                                     stored_replay=stored) for k in range(ensemble.sizes["seed"])]
-        host, fingerprint = host_of(ensemble)
+        baseline = load_dataset(Path(baseline_dir) / f"{case}.nc")
+        stored_path = Path(baseline_dir) / "replays" / f"{case}.nc"
+        stored = load_dataset(stored_path) if stored_path.is_file() else None
+        first = history.summarize(baseline.isel(seed=0, drop=True), ensemble=baseline, replay=stored,
+                                  stored_replay=stored)
+        host, fingerprint = host_of(baseline)
         record = None
         for i, sha in enumerate(shas):
             if i % epoch_every == 0:  # a commit that changes the numbers
-                record = members[(i // epoch_every) % len(members)].copy(deep=True)
-                for name in [n for n in record.data_vars if n.startswith("replay_") and n.endswith("_delta")]:
-                    noise = record[name.replace("_delta", "_noise")]
-                    record[name] = record[name] + 0.5 * noise * rng.standard_normal(noise.shape)
+                record = first.copy(deep=True)
+                for metric in history.HEADLINE_METRICS:
+                    name = f"trained_{metric}"
+                    if f"{name}_noise" in record:
+                        record[name] = _redrawn(metric, record[name], record[f"{name}_noise"],
+                                                record.get("numel"), rng, ens)
+                    if f"replay_{metric}_delta" in record:
+                        noise = record[f"replay_{metric}_noise"]
+                        delta = first[f"replay_{metric}_delta"]  # NaN where the replay measures nothing
+                        record[f"replay_{metric}_delta"] = (0.5 * noise * rng.standard_normal(noise.shape)).where(
+                            delta.notnull())
             planted = record.copy(deep=True)
             if plant is not None and plant[0] == case and i >= plant[5]:
                 _, metric, where, factor, shift, _ = plant
@@ -156,10 +165,22 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
                 if f"replay_{metric}_delta" in planted:
                     noise = planted[f"replay_{metric}_noise"].loc[where]
                     planted[f"replay_{metric}_delta"].loc[where] = planted[f"replay_{metric}_delta"].loc[where] + shift * noise
-            write_record(planted.assign_attrs(
-                case=case, spec=ensemble.attrs["spec"], host=host, fingerprint=json.dumps(fingerprint),
+            write_record(encode_record(planted.assign_attrs(
+                case=case, seed=0, spec=baseline.attrs["spec"], host=host, fingerprint=json.dumps(fingerprint),
                 recorded=start.isoformat(), package_version="synthetic", commit=sha,
                 commit_time=(start + datetime.timedelta(hours=i)).isoformat(), commit_depth=i + 1,
-                subject=f"commit {i}", branch="main"),
-                record_path(store, host, case, sha))
+                subject=f"commit {i}", branch="main")), record_path(store, host, case, sha))
     return shas
+
+
+def _redrawn(metric, values, noise, numel, rng, ens):
+    """`values` moved by a normal draw of `noise` in the detection space (verdicts/history.py)."""
+    from precision_suite.verdicts import history
+
+    n = None if numel is None or not history.is_count(metric) else numel.broadcast_like(values).values
+    y = history.detection_space(metric, values.values, n) + noise.values * rng.standard_normal(values.shape)
+    if history.is_count(metric):  # the inverse of 2 sqrt(count + 3/8)
+        moved = np.maximum((y / 2.0) ** 2 - 0.375, 0.0) / (1.0 if n is None else n)
+    else:
+        moved = ens.inverse(metric, y)
+    return values.copy(data=np.where(np.isfinite(moved), moved, values.values))

@@ -6,7 +6,6 @@ laws on synthetic series (verdicts/history.py)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -183,23 +182,69 @@ def test_bad_input_is_one_line_and_writes_nothing(toy_history, tmp_path, monkeyp
     assert "holds no history yet" in _usage_error(["history", "report", "--store", str(tmp_path / "nowhere")], capsys)
 
 
+def test_damaged_records_and_empty_selections_are_one_line(toy_history, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.chdir(toy_history["repo"])
+    store = tmp_path / "store"
+    shutil.copytree(toy_history["store"], store)
+    report = ["--report-dir", str(tmp_path / "report")]
+    assert "with --since c8 and --branch feature" in _usage_error(
+        ["history", "report", "--store", str(store), "--since", "c8", "--branch", "feature", *report], capsys)
+    assert "of the selected cases" in _usage_error(["history", "report", "--store", str(store), "--model", "vit", *report],
+                                                   capsys)
+    record = sorted(store.glob("*/*/*.nc"))[0]
+    record.write_bytes(record.read_bytes()[:200])  # cut short
+    assert "is unreadable" in _usage_error(["history", "report", "--store", str(store), *report], capsys)
+    from precision_suite.files import load_dataset
+    from precision_suite.jobs.history import encode_record, write_record
+
+    whole = load_dataset(sorted(toy_history["store"].glob("*/*/*.nc"))[0], engine="scipy")
+    del whole.attrs["commit_depth"]  # a record written by something else
+    write_record(encode_record(whole), record)
+    assert "lacks commit_depth" in _usage_error(["history", "report", "--store", str(store), *report], capsys)
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_shallow_clone_is_refused(toy_history, tmp_path, monkeypatch, capsys):
+    clone = tmp_path / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{toy_history['repo']}", str(clone)], check=True)
+    monkeypatch.chdir(clone)
+    message = _usage_error(["history", "record", str(toy_history["root"] / "results" / "c8"), "--store",
+                            str(tmp_path / "store")], capsys)
+    assert "shallow clone" in message and "fetch-depth: 0" in message and not (tmp_path / "store").exists()
+
+
+def test_a_store_being_created_by_another_recorder_is_not_foreign(tmp_path):
+    """Another recorder's temp marker (files.atomic_path names it .<name>.<uuid>.tmp) does not make
+    the folder 'not a store': both recorders create it."""
+    from precision_suite.jobs.history import STORE_MARKER, store_schema
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / f".{STORE_MARKER}.0123abcd.tmp").write_text("{")
+    assert store_schema(store, create=True) == store and (store / STORE_MARKER).is_file()
+
+
 # --------------------------------------------------------------------------- the detection's laws
 
 
-def test_a_store_of_the_default_matrix_finds_the_plant_and_no_other_step(tmp_path):
-    """Records built from the committed baselines (tests/synthetic_data.history_store): a commit
-    changes the numbers every 5 commits, re-rolling the trained series to another seed's; from
-    commit 12 one series' underflow is 4x and its replay 10 noise units off."""
+def test_a_store_of_the_default_matrix_finds_the_plants_and_no_other_step(tmp_path):
+    """Records built from the committed baselines (tests/synthetic_data.history_store): every 5
+    commits a commit changes the numbers and re-rolls each series by a fresh draw of its noise;
+    from commit 22 one underflow series is 16x and its replay 10 noise units off. Of the other
+    ~1450 series none may step: the design rate is 1e-3 per case."""
     cell = dict(layer=5, tensor="gradient", layout="1x128")
     cases = ["gpt-softmax-fp8-block", "vit-softmax-fp32", "gpt-softmax-nvfp4-2d293d63"]
-    shas = history_store(tmp_path / "store", BASELINES, cases, 20,
-                         plant=("gpt-softmax-fp8-block", "underflow", cell, 4.0, 10.0, 12))
+    shas = history_store(tmp_path / "store", BASELINES, cases, 40,
+                         plant=("gpt-softmax-fp8-block", "underflow", cell, 16.0, 10.0, 22))
     from precision_suite.jobs.history import CaseFilter, load_histories
 
     found = {c.case: c for c in load_histories(tmp_path / "store", CaseFilter(), None)}
+    assert sum(len(c.series) for c in found.values()) > 1000
     steps = [(c, s) for c, h in found.items() for s in h.steps]
     assert {(c, s.kind, s.metric, tuple(s.where.items()), shas[s.index]) for c, s in steps} == {
-        ("gpt-softmax-fp8-block", kind, "underflow", tuple(cell.items()), shas[12]) for kind in ("trained", "replay")}
+        ("gpt-softmax-fp8-block", kind, "underflow", tuple(cell.items()), shas[22]) for kind in ("trained", "replay")}
 
 
 @given(st.floats(5.0, 1e5))
@@ -218,15 +263,43 @@ def test_unchanged_commits_are_one_epoch():
 
 
 def test_null_series_give_no_step_at_the_design_rate_and_a_step_is_found_where_it_is():
-    """500 series of 30 epochs of unit noise, the penalty Bonferroni-corrected over them: a false
-    step anywhere has probability at most FALSE_ALARM_RATE (1e-3), so none is expected; a step
-    of 6 noise units is found at its commit."""
+    """500 series of 30 epochs of unit noise, the noise of each estimated as the records estimate
+    it: 4 seeds per cell, pooled over the 18 layers of its pool (54 degrees of freedom), with the
+    Student t penalty Bonferroni-corrected over the series. A false step anywhere has probability at
+    most FALSE_ALARM_RATE (1e-3), so none is expected; a step of 8 noise units is found at its
+    commit, also when commits repeat."""
     rng = np.random.default_rng(1)
-    n_series, n = 500, 30
-    penalty = lambda epochs: history.step_penalty(n_series, epochs)  # noqa: E731
-    false = sum(bool(history.change_points(rng.standard_normal(n), 1.0, penalty)) for _ in range(n_series))
+    n_series, n, layers, seeds = 500, 30, 18, 4
+    false = 0
+    for _ in range(n_series // layers + 1):
+        noise = float(np.sqrt(rng.standard_normal((layers, seeds)).var(axis=1, ddof=1).mean()))
+        dof = layers * (seeds - 1)
+        penalty = lambda epochs: history.step_penalty(n_series, epochs, dof)  # noqa: E731
+        false += sum(bool(history.change_points(rng.standard_normal(n), noise, penalty)) for _ in range(layers))
     assert false == 0
     y = rng.standard_normal(n)
-    y[17:] += 6.0
+    y[17:] += 8.0
+    penalty = lambda epochs: history.step_penalty(n_series, epochs, 54)  # noqa: E731
     assert history.change_points(y, 1.0, penalty) == [17]
     assert history.change_points(np.repeat(y, 3), 1.0, penalty) == [51]  # repeated commits are one epoch
+
+
+def test_a_seed_estimated_noise_needs_the_t_penalty():
+    """With 3 degrees of freedom (one cell's 4 seeds) the normal penalty false-alarms on a few
+    percent of null series; the t penalty does not: the reason the noise is pooled and its
+    degrees of freedom recorded."""
+    rng = np.random.default_rng(2)
+    n_series, n = 300, 20
+    noises = np.sqrt(rng.standard_normal((n_series, 4)).var(axis=1, ddof=1))
+    series = rng.standard_normal((n_series, n))
+    normal = sum(bool(history.change_points(y, s, lambda e: history.step_penalty(n_series, e))) for y, s in zip(series, noises))
+    student = sum(bool(history.change_points(y, s, lambda e: history.step_penalty(n_series, e, 3)))
+                  for y, s in zip(series, noises))
+    assert normal > 0 and student == 0
+
+
+def test_a_series_that_turns_non_finite_is_a_step():
+    series = history.Series("trained", "loss", {}, np.array([2.0, 2.0, np.nan, np.nan]), np.array([0.7, 0.7, np.nan, np.nan]),
+                            0.02, 54, np.array([0.0, 0.0, 0.4, 1.0]))
+    (step,) = history.find_steps([series])
+    assert step.index == 2 and step.nonfinite and "NaN or Inf at 40% of the trained points" in step.describe()

@@ -1,4 +1,4 @@
-"""The git commands `diff` and `bisect` need, on the user's project (the repository holding the
+"""The git commands `diff`, `bisect` and `history` need, on the user's project (the repository holding the
 working directory), with every failure a one-line UsageError."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def git(root: Path, *args: str) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
     except FileNotFoundError:
-        raise UsageError("git is not installed (or not on PATH); diff and bisect need it") from None
+        raise UsageError("git is not installed (or not on PATH); diff, bisect and history need it") from None
 
 
 def repo_root(cwd: Path | None = None) -> Path:
@@ -47,6 +47,11 @@ def subject(root: Path, sha: str) -> str:
 def is_dirty(root: Path) -> bool:
     """Whether tracked files have uncommitted changes (untracked files do not count)."""
     return bool(git(root, "status", "--porcelain", "--untracked-files=no").stdout.strip())
+
+
+def is_shallow(root: Path) -> bool:
+    """Whether the clone lacks history (CI checkouts often fetch one commit)."""
+    return git(root, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
 
 
 def is_bisecting(root: Path) -> bool:

@@ -29,15 +29,17 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import xarray as xr
 
-from precision_suite.files import SCHEMA_VERSION, load_dataset, safe_filename, save_dataset, write_json
+from precision_suite.files import SCHEMA_VERSION, atomic_file, load_dataset, safe_filename, write_json
 from precision_suite.jobs import git, judging, results
 from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, EXIT_OK, UsageError
 from precision_suite.reports.history import write_history_report
@@ -46,7 +48,7 @@ from precision_suite.version import __version__
 
 STORE_MARKER = "precision-suite-history.json"
 RECORD_ENGINE = "scipy"  # netCDF classic (module docstring)
-HOST_KEY_FIELDS_DROPPED = ("platform",)  # the kernel release: runner image updates, same numbers
+_MACHINE = re.compile(r"-(x86_64|amd64|aarch64|arm64|armv7l|ppc64le|s390x|i686|riscv64)(?=-|$)")
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,16 @@ class CaseFilter:
 
 
 def host_of(ds: xr.Dataset) -> tuple[str, dict[str, Any]]:
-    """(the store's folder name for the host a run was made on, its fingerprint as recorded)."""
+    """(the store's folder name for the host a run was made on, its fingerprint as recorded). The
+    name hashes the fingerprint with the platform string cut to its system, machine and C library:
+    the kernel's release changes with runner image updates under the same numbers."""
     fingerprint = json.loads(ds.attrs.get("fingerprint") or "{}")
-    kept = {k: v for k, v in sorted(fingerprint.items()) if k not in HOST_KEY_FIELDS_DROPPED}
+    kept = dict(fingerprint)
+    if "platform" in kept:
+        text = str(kept["platform"])
+        machine = _MACHINE.search(text)
+        kept["platform"] = " ".join([text.split("-")[0], machine.group(1) if machine else "",
+                                     text.partition("-with-")[2]])
     return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:12], fingerprint
 
 
@@ -94,7 +103,8 @@ def store_schema(store: Path, *, create: bool) -> Path:
                              f"{__version__} reads {history.HISTORY_SCHEMA_VERSION}; record into a new --store "
                              f"folder (or read this one with the precision-suite version that wrote it)")
         return store
-    if store.is_dir() and any(store.iterdir()):
+    # hidden temp files are another recorder creating this store at the same time (files.atomic_path)
+    if store.is_dir() and any(not entry.name.startswith(".") for entry in store.iterdir()):
         raise UsageError(f"--store {store} is not a history store (no {STORE_MARKER}) and is not empty; "
                          "give an empty or new folder")
     if not create:
@@ -114,33 +124,49 @@ def record_path(store: Path, host: str, case: str, sha: str, seed: int = 0) -> P
     return store / host / safe_filename(series_name(case, seed)) / f"{sha}.nc"
 
 
-def write_record(record: xr.Dataset, path: Path) -> None:
+def encode_record(record: xr.Dataset) -> bytes:
+    """A record's file, in memory: every record of a command is encoded before the first is
+    written. Element counts become float64 (netCDF classic has no 64-bit integers)."""
+    if "numel" in record.data_vars:
+        record = record.assign(numel=record["numel"].astype(np.float64))
+    return bytes(record.to_netcdf(engine=RECORD_ENGINE))
+
+
+def write_record(encoded: bytes, path: Path) -> None:
     """One record, atomically: a concurrent writer of the same path wins or loses whole."""
-    save_dataset(record, path, engine=RECORD_ENGINE)
+    with atomic_file(path) as handle:
+        handle.write(encoded)
 
 
-def _stored(baseline_dir: str, case: str, spec: str) -> tuple[xr.Dataset | None, xr.Dataset | None]:
-    """The case's baseline ensemble and stored replay, None where it has none (a user's model):
-    the record then carries no noise level."""
+def _stored(baseline_dir: str, case: str, spec: str) -> tuple[xr.Dataset | None, xr.Dataset | None, str]:
+    """The case's baseline ensemble and stored replay (None where it has none: a user's model
+    without a baseline), and why there is no ensemble ('' when there is): the record then carries
+    no noise level."""
     try:
         ensemble = baselines.load_ensemble(baselines.baseline_path(baseline_dir, case), expected_spec=spec)
-    except baselines.BaselineError:
-        return None, None
+    except baselines.BaselineError as exc:
+        return None, None, str(exc).split(";")[0]
     try:
         stored_replay = replays.load_replay(baseline_dir, case, expected_spec=spec)
     except baselines.BaselineError:
         stored_replay = None
-    return ensemble, stored_replay
+    return ensemble, stored_replay, ""
 
 
 def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "HEAD", branch: str | None = None,
                    baseline_dir: str = DEFAULT_BASELINE_DIR) -> int:
     """Record saved results (`run --save-results` folders; replays in their `replays/`) as commit
-    `commit` of the repository holding the working directory. Every input is read and checked
-    before the first file is written."""
+    `commit` of the repository holding the working directory. Every input is read, checked and
+    every record encoded before the first file is written."""
     root = git.repo_root()
     sha = git.resolve_commit(root, commit, "--commit")
-    info = {**git.commit_info(root, sha), "branch": git.branch(root) if branch is None else branch}
+    if git.is_shallow(root):
+        raise UsageError(f"{root} is a shallow clone: a commit's place in the history (its first-parent "
+                         "depth) cannot be counted; fetch the history (`git fetch --unshallow`, or "
+                         "actions/checkout with fetch-depth: 0)")
+    # the checked-out branch names HEAD only; another commit is recorded on no branch unless given
+    info = {**git.commit_info(root, sha), "branch": branch if branch is not None else
+            (git.branch(root) if commit == "HEAD" else "")}
     runs = results.merge_shards(locations)
     replayed = {case: ds for location in locations if results.replay_folder(location).is_dir()
                 for case, ds in results.load_results(str(results.replay_folder(location)), "RESULTS replays").items()}
@@ -155,31 +181,35 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
               f"recorded as commit {sha[:12]}", file=sys.stderr)
     records = []
     for case, ds in runs.items():
-        ensemble, stored_replay = _stored(baseline_dir, case, ds.attrs.get("spec"))
+        ensemble, stored_replay, missing = _stored(baseline_dir, case, ds.attrs.get("spec"))
         host, fingerprint = host_of(ds)
-        record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
         seed = int(json.loads(ds.attrs.get("spec") or "{}").get("seed") or 0)
-        records.append((record_path(Path(store_dir), host, case, info["commit"], seed), record.assign_attrs(
-            case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host, fingerprint=json.dumps(fingerprint, sort_keys=True),
-            recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            package_version=__version__, **info)))
+        record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
+        record = record.assign_attrs(case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host,
+                                     fingerprint=json.dumps(fingerprint, sort_keys=True),
+                                     recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                                     package_version=__version__, **info)
+        note = f"; {missing}, so no noise level: its series are drawn, not searched for steps" if missing else ""
+        records.append((record_path(Path(store_dir), host, case, info["commit"], seed), encode_record(record),
+                        f"{case} (host {host}: {host_label(fingerprint)}){note}"))
     store = store_schema(Path(store_dir), create=True)
     print(f"commit {sha[:12]} {info['subject']!r}{' on ' + info['branch'] if info['branch'] else ''}")
-    for path, record in records:
+    for path, encoded, label in records:
         replaced = path.exists()
-        write_record(record, path)
-        unmeasured = "" if any(name.endswith("_noise") for name in record.data_vars) else \
-            f"; no baseline in {baseline_dir}/, so no noise level: its series are drawn, not searched for steps"
-        print(f"  {'replaced' if replaced else 'recorded'} {record.attrs['case']} "
-              f"(host {record.attrs['host']}: {host_label(json.loads(record.attrs['fingerprint']))}){unmeasured}")
+        write_record(encoded, path)
+        print(f"  {'replaced' if replaced else 'recorded'} {label}")
     print(f"{len(records)} record(s) in {store}")
     return EXIT_OK
 
 
-def load_histories(store: Path, keep: CaseFilter, since: str | None) -> list[history.CaseHistory]:
+RECORD_ATTRS = ("case", "host", "fingerprint", "commit", "commit_time", "commit_depth", "subject", "branch")
+
+
+def load_histories(store: Path, keep: CaseFilter, since: str | None, branch: str | None = None
+                   ) -> list[history.CaseHistory]:
     """Every host and case of the store that `keep` selects, its records along `commit` in the
     order of the first-parent history (`git.commit_info`'s depth; commit time between equal
-    depths), from the commit `since` names on."""
+    depths), from the commit `since` names on, of `branch` only when given."""
     files = sorted(store.glob("*/*/*.nc"))
     if not files:
         raise UsageError(f"--store {store} holds no records; add some with "
@@ -190,46 +220,56 @@ def load_histories(store: Path, keep: CaseFilter, since: str | None) -> list[his
         since_depth = git.commit_info(root, git.resolve_commit(root, since, "--since"))["commit_depth"]
     grouped: dict[tuple[str, str], list[xr.Dataset]] = {}
     for file in files:
-        try:
-            record = load_dataset(file, engine=RECORD_ENGINE)
-        except Exception as exc:  # h5py/xarray raise many types for a damaged file
-            raise UsageError(f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {exc}); "
-                             "delete it and record that commit again") from None
-        if record.attrs.get("history_schema_version") != history.HISTORY_SCHEMA_VERSION:
-            raise UsageError(f"--store {store}: record {file} has history schema "
-                             f"{record.attrs.get('history_schema_version')!r}, this version reads "
-                             f"{history.HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
+        record = _read_record(store, file)
         spec = json.loads(record.attrs.get("spec") or "{}")
-        if not keep.keeps(record.attrs["case"], spec):
+        if not keep.keeps(record.attrs["case"], spec) or (branch is not None and record.attrs["branch"] != branch):
             continue
         if since_depth is not None and int(record.attrs["commit_depth"]) < since_depth:
             continue
         key = series_name(record.attrs["case"], int(record.attrs.get("seed", 0)))
         grouped.setdefault((record.attrs["host"], key), []).append(record)
     if not grouped:
+        limits = [f"--since {since}"] * (since is not None) + [f"--branch {branch}"] * (branch is not None)
         raise UsageError(f"--store {store} holds no records of the selected cases"
-                         f"{' since ' + since if since else ''}; widen the selection")
+                         f"{' with ' + ' and '.join(limits) if limits else ''}; widen the selection")
     return [_case_history(name, records) for (_, name), records in sorted(grouped.items())]
+
+
+def _read_record(store: Path, file: Path) -> xr.Dataset:
+    """A record of the store; UsageError (one line) for one that is unreadable, of another
+    schema, or lacks what the report orders and names commits by."""
+    try:
+        record = load_dataset(file, engine=RECORD_ENGINE)
+    except Exception as exc:  # scipy/xarray raise many types for a damaged file
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UsageError(f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {reason}); "
+                         "delete it and record that commit again") from None
+    if record.attrs.get("history_schema_version") != history.HISTORY_SCHEMA_VERSION:
+        raise UsageError(f"--store {store}: record {file} has history schema "
+                         f"{record.attrs.get('history_schema_version')!r}, this version reads "
+                         f"{history.HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
+    missing = [name for name in RECORD_ATTRS if name not in record.attrs]
+    if missing:
+        raise UsageError(f"--store {store}: record {file} lacks {', '.join(missing)} (not written by "
+                         "`precision-suite history record`); delete it and record that commit again")
+    return record
 
 
 def _case_history(name: str, records: list[xr.Dataset]) -> history.CaseHistory:
     records.sort(key=lambda r: (int(r.attrs["commit_depth"]), _dt.datetime.fromisoformat(r.attrs["commit_time"]),
                                 r.attrs["commit"]))
-    commits = [{name: r.attrs[name] for name in ("commit", "commit_time", "subject", "branch")} for r in records]
-    data = xr.concat(records, dim="commit", join="outer", coords="minimal",
-                     compat="override", combine_attrs="drop")
-    if "numel" in data.data_vars:  # the elements behind a count: one per cell, not per commit
-        data["numel"] = data["numel"].max("commit")
+    commits = [{key: r.attrs[key] for key in ("commit", "commit_time", "subject", "branch")} for r in records]
+    data = xr.concat(records, dim="commit", join="outer", coords="minimal", compat="override", combine_attrs="drop")
     last = records[-1].attrs
     return history.case_history(name, last["host"], host_label(json.loads(last["fingerprint"])), commits,
                                 data.assign_coords(commit=[c["commit"] for c in commits]))
 
 
-def report_history(store_dir: str, keep: CaseFilter, *, since: str | None, report_dir: str | None,
-                   charts: str) -> int:
+def report_history(store_dir: str, keep: CaseFilter, *, since: str | None, branch: str | None = None,
+                   report_dir: str | None, charts: str) -> int:
     """Per host and case: the headline series over commits, their steps, the report folder."""
     store = store_schema(Path(store_dir), create=False)
-    cases = load_histories(store, keep, since)
+    cases = load_histories(store, keep, since, branch)
     out = judging.report_dir(report_dir)  # only once the store has been read: nothing written on bad input
     write_history_report(cases, out, charts=charts)
     for case in cases:

@@ -9,11 +9,13 @@ import html
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from precision_suite.files import safe_filename
 from precision_suite.reports.charts import plot_history
 from precision_suite.reports.reports import CSS, MAX_MARKDOWN_BYTES, figure_html, jsonable, markdown_cell, write_text
-from precision_suite.verdicts.history import CaseHistory, Step, step_penalty
+from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE
+from precision_suite.verdicts.history import CaseHistory, Step
 from precision_suite.version import __version__
 
 HISTORY_SUMMARY_SCHEMA_VERSION = 1
@@ -23,7 +25,7 @@ def chart_name(case: CaseHistory) -> str:
     return f"charts/{safe_filename(case.case)}-{case.host}-history.png"
 
 
-def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str = "all") -> dict:
+def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str = "all") -> dict[str, Any]:
     """Write the report folder; the summary (as summary.json holds it). `charts`: "all" draws every
     case, "failing" the cases with a step, "none" no chart."""
     drawn = {}
@@ -36,9 +38,9 @@ def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str
         "package_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "steps": sum(len(c.steps) for c in cases),
+        "false_step_rate": FALSE_ALARM_RATE,  # per case, by design (verdicts/history.py)
         "cases": [{"case": c.case, "host": c.host, "host_label": c.host_label, "commits": c.commits,
                    "series": len(c.series), "searched": sum(s.noise > 0 for s in c.series),
-                   "penalty": step_penalty(sum(s.noise > 0 for s in c.series), len(c.commits)),
                    "steps": [_step_json(step, c) for step in c.steps],
                    "chart": drawn.get((c.case, c.host))}
                   for c in sorted(cases, key=lambda c: (not c.steps, c.case, c.host))],
@@ -50,7 +52,7 @@ def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str
     return summary
 
 
-def _step_json(step: Step, case: CaseHistory) -> dict:
+def _step_json(step: Step, case: CaseHistory) -> dict[str, Any]:
     commit = case.commits[step.index]
     return {"series": step.series, "kind": step.kind, "metric": step.metric, "where": step.where,
             "commit": commit["commit"], "subject": commit["subject"], "commit_time": commit["commit_time"],
@@ -107,7 +109,8 @@ def _html(summary: dict, out: Path) -> str:
             f'<section id="case-{i}"><h2 class="{status}">{esc(case["case"])}</h2>'
             f'<p class="meta">{esc(case["host_label"])} (host {esc(case["host"])}); {esc(_span(case))}; '
             f'{case["searched"]} of {case["series"]} series searched for steps (the others have no noise '
-            f'level: no baseline), penalty {case["penalty"]:.3g} squared noise units per step</p>'
+            f'level: no baseline); by design a case shows a false step with probability at most '
+            f'{summary["false_step_rate"]:g}</p>'
             f"{table}{chart}</section>")
     headline = esc(_headline(summary))
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{headline}</title>"

@@ -3,22 +3,28 @@
 A **record** is one case's run at one commit on one host, reduced to its headline series
 (`HEADLINE_METRICS`, per layer, tensor and layout as the run measured them):
 
-- `trained_<metric>`: the median over the run's trained points (every sampled step after the
-  first; the loss at every training step after the first), in the metric's own units. The median
-  is the statistic the trained comparison judges a series by (`ensemble.series_median_z`).
-- `trained_<metric>_noise`: how far that median moves between runs that differ by seed alone,
-  from the case's baseline ensemble (the spread of its members' medians). On one host a commit
-  that changes any number re-rolls a short run as far as another seed does (chaos), so this is
-  the size of a meaningless change of the trained series.
+- `trained_<metric>`: the median over the run's finite trained points (every sampled step after
+  the first; the loss at every training step after the first), in the metric's own units: the
+  statistic the trained comparison judges a series by (`ensemble.series_median_z`).
+  `trained_<metric>_nonfinite`: the fraction of those points that are NaN or Inf.
+- `trained_<metric>_noise`: how far that median moves between runs that differ by seed alone. On
+  one host a commit that changes any number re-rolls a short run as far as another seed does
+  (chaos), so this is the size of a meaningless change of the trained series. It is the spread
+  of the baseline seeds' medians, at least the mean over the cell's pool (same metric, tensor and
+  layout, every layer): four seeds give one cell 3 degrees of freedom, the pool 3 per layer
+  (`trained_<metric>_noise_dof`), as in the ensemble comparison.
 - `replay_<metric>_delta`: the replay from the baseline's stored state against the stored replay,
   at its last point. Replays do not wander with chaos: unchanged code gives rounding-size deltas
-  on any host, so these are the series worth tracking for small changes.
+  on any host, so these are the series worth tracking for small changes. Each commit's delta is
+  its own code's rounding against one fixed reference, so rounding changes do not add up over
+  commits; a delta that drifts is a change of the numbers.
 - `replay_<metric>_noise`: the largest change the rounding twins made to that replay
-  (`replay_tolerance / FIRST_STEP_SAFETY`; for counts the `k` of the count model).
+  (`replay_tolerance / FIRST_STEP_SAFETY`; for counts the `k` of the count model): a largest
+  change, not a spread, so steps against it are conservative.
 
-Both noise levels come from the twins and seeds measured at regeneration (issue 12), never a
-constant; a case without a baseline (a user's model with none) records no noise and its series
-are drawn but not searched for steps.
+The noise levels come from the seeds and twins measured at regeneration (issue 12), floored by the
+metric table's smallest meaningful spread (`Space.min_spread`; Poisson's 1 for counts). A case
+without a baseline (a user's model with none) records no noise: its series are drawn, not searched.
 
 **Detection space.** Each metric is compared in the space its comparison uses (`ensemble.transform`:
 log of the norm and loss, log of 1 - cos), except counts: a count that steps from zero is the
@@ -29,11 +35,14 @@ transform 2 sqrt(count + 3/8) instead, where Poisson noise has spread 1 at every
 **Steps.** Commits that leave the numbers bitwise identical carry no new evidence (the same run
 twice), so a series is first collapsed into its epochs: runs of consecutive commits with equal
 values. Over the epochs, in units of the series' noise, PELT (ruptures, l2 cost) finds the
-segmentation that minimises the squared residuals plus a penalty per change. Under no change, the
-epochs of a series are independent draws of spread 1; splitting n of them anywhere lowers the
-squared residuals by a chi-squared(1) variable, so a penalty of z^2, z the two-sided normal
-quantile Bonferroni-corrected over the case's series and the n - 1 places a change can go
-(`step_penalty`), keeps a case's false steps at most `FALSE_ALARM_RATE`.
+segmentation that minimises the squared residuals plus a penalty per change. Under no change the
+epochs of a series are independent draws of that noise; splitting n of them at one place lowers
+the squared residuals by a chi-squared(1) variable in noise units, an F(1, dof) one when the noise
+is estimated with dof degrees of freedom. The penalty is the square of the two-sided normal
+(Student t) quantile Bonferroni-corrected over the case's searched series and the n - 1 places a
+change can go (`step_penalty`), so a case shows a false step with probability at most
+`FALSE_ALARM_RATE` (more segments add a negligible term). A series whose trained points turn NaN
+or Inf has no level to step to: that commit is a step of infinite size.
 """
 
 from __future__ import annotations
@@ -41,13 +50,14 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ruptures
 import xarray as xr
+from scipy.stats import t as student_t
 
 from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE, FIRST_STEP_SAFETY, SPACES, transform, z_threshold
 from precision_suite.verdicts.findings import TIME_DIMS, format_where, to_python
@@ -114,9 +124,13 @@ def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset 
         da = run[metric].astype(np.float64)
         median = _trained_median(da)
         variables[f"trained_{metric}"] = median.assign_attrs(
-            description=f"median of {metric} over the run's trained points")
+            description=f"median of {metric} over the run's finite trained points")
+        trained = da.isel({_time_dim(da): slice(1, None)})
+        variables[f"trained_{metric}_nonfinite"] = (~np.isfinite(trained)).mean(_time_dim(da)).where(
+            trained.notnull().any(_time_dim(da)) | np.isinf(trained).any(_time_dim(da))).assign_attrs(
+            description="fraction of the trained points that are NaN or Inf (NaN: a cell the run does not measure)")
         if ensemble is not None and metric in ensemble.data_vars and "seed" in ensemble[metric].dims:
-            variables[f"trained_{metric}_noise"] = _trained_noise(metric, ensemble, median)
+            variables.update(_trained_noise(metric, ensemble, median))
         if replay is not None and stored_replay is not None and metric in replay.data_vars \
                 and metric in stored_replay.data_vars:
             variables.update(_replay_delta(metric, replay, stored_replay))
@@ -125,18 +139,29 @@ def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset 
     return xr.Dataset(variables, attrs={"history_schema_version": HISTORY_SCHEMA_VERSION})
 
 
-def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> xr.DataArray:
+def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> dict[str, xr.DataArray]:
+    """`trained_<metric>_noise` and its degrees of freedom. Four seeds give a cell's spread 3
+    degrees of freedom, too few for a Bonferroni threshold; so, as the ensemble comparison does,
+    each cell's variance is at least the mean variance of its pool (the same metric, tensor and
+    layout over every layer), whose degrees of freedom are those of the pool's cells together."""
     members = _trained_median(ensemble[metric].astype(np.float64))
     members, like = xr.align(members, like, join="right", exclude=["seed"])
-    y = detection_space(metric, members.values, None if (n := _numel(ensemble, members, metric)) is None else n.values)
-    with np.errstate(invalid="ignore"):
-        spread = np.nanstd(y, axis=members.dims.index("seed"), ddof=1) if members.sizes["seed"] > 1 \
-            else np.full(like.shape, np.nan)
+    y = xr.DataArray(detection_space(metric, members.values,
+                                     None if (n := _numel(ensemble, members, metric)) is None else n.values),
+                     dims=members.dims, coords=members.coords)
+    measured = y.notnull().sum("seed")
+    var = y.var("seed", ddof=1).where(measured >= 2)
+    pool_dims = [d for d in var.dims if d == "layer"]
+    pooled = var.mean(pool_dims) if pool_dims else var
+    dof = ((measured - 1).clip(min=0).where(var.notnull()).sum(pool_dims) if pool_dims else (measured - 1)).broadcast_like(var)
     floor = POISSON_SPREAD if is_count(metric) else SPACES[metric].min_spread
-    noise = np.fmax(spread, floor)
-    dims = [d for d in members.dims if d != "seed"]
-    return xr.DataArray(noise, dims=dims, coords={d: members[d] for d in dims}).transpose(*like.dims).assign_attrs(
-        description=f"spread of the baseline ensemble members' trained medians, in {metric}'s detection space")
+    noise = np.sqrt(np.fmax(var.fillna(0.0), pooled.broadcast_like(var))).where(pooled.broadcast_like(var).notnull())
+    noise = np.fmax(noise, floor).where(noise.notnull())  # unmeasured stays NaN: not searched, not floored
+    return {f"trained_{metric}_noise": noise.transpose(*like.dims).assign_attrs(
+                description=f"spread of the baseline seeds' trained medians (at least their pool's), in "
+                            f"{metric}'s detection space"),
+            f"trained_{metric}_noise_dof": dof.where(noise.notnull()).transpose(*like.dims).assign_attrs(
+                description="degrees of freedom of the pooled spread")}
 
 
 def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[str, xr.DataArray]:
@@ -162,8 +187,10 @@ def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[s
 @dataclass(frozen=True)
 class Step:
     """A detected step of one series: from commit index `index` on, its level moved from `before`
-    to `after` (medians of the epochs on each side; trained: the metric's units, replay: the
-    delta in noise units), `size` noise units in the detection space."""
+    to `after` (medians over the commits of the segments on either side; trained: the metric's
+    units, replay: the delta in noise units), `size` noise units in the detection space. A series
+    whose trained points turn non-finite is a step of infinite size, `before` and `after` then
+    the fractions of its trained points that are NaN or Inf."""
 
     kind: str
     metric: str
@@ -178,15 +205,27 @@ class Step:
         where = format_where(self.where)
         return f"{self.kind} {self.metric}{' at ' + where if where else ''}"
 
+    @property
+    def nonfinite(self) -> bool:
+        return math.isinf(self.size)
+
     def describe(self) -> str:
+        if self.nonfinite:
+            return f"{self.series}: NaN or Inf at {self.after:.0%} of the trained points (before: {self.before:.0%})"
         unit = "" if self.kind == "trained" else " noise units"
         return (f"{self.series}: {self.before:.4g} -> {self.after:.4g}{unit} "
                 f"({self.size:+.1f} noise units)")
 
 
-def step_penalty(n_series: int, n_epochs: int, rate: float = FALSE_ALARM_RATE) -> float:
-    """PELT's penalty per change, in squared noise units (module docstring)."""
-    return z_threshold(max(n_series, 1) * max(n_epochs - 1, 1), rate) ** 2
+def step_penalty(n_series: int, n_epochs: int, dof: float = math.inf, rate: float = FALSE_ALARM_RATE) -> float:
+    """PELT's penalty per change, in squared noise units (module docstring): the two-sided
+    quantile, Bonferroni-corrected over `n_series` series and the `n_epochs - 1` places a change
+    can go, of the normal distribution for a known noise level, of Student's t with `dof` degrees
+    of freedom for one estimated from seeds (the split statistic is then F(1, dof))."""
+    tests = max(n_series, 1) * max(n_epochs - 1, 1)
+    if math.isinf(dof):
+        return z_threshold(tests, rate) ** 2
+    return float(student_t.isf(rate / (2.0 * tests), max(dof, 1.0))) ** 2
 
 
 def epochs(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +237,7 @@ def epochs(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return index[new], values[new]
 
 
-def change_points(y: np.ndarray, noise: float, penalty_of: Any) -> list[int]:
+def change_points(y: np.ndarray, noise: float, penalty_of: Callable[[int], float]) -> list[int]:
     """Indices of `y` (one value per commit) at which a new level starts; `penalty_of(n_epochs)`."""
     starts, values = epochs(y)
     if values.size < 2 or not noise > 0:
@@ -211,7 +250,9 @@ def change_points(y: np.ndarray, noise: float, penalty_of: Any) -> list[int]:
 @dataclass
 class Series:
     """One series of a case's history: per commit its value in natural units (`shown`) and in the
-    detection space (`y`, trained) or noise units (replay), and its noise level."""
+    detection space (`y`, trained) or noise units (replay), its noise level and that level's
+    degrees of freedom (inf: the twins' largest change, taken as known), and per commit the
+    fraction of its trained points that are NaN or Inf (NaN: not measured)."""
 
     kind: str
     metric: str
@@ -219,6 +260,16 @@ class Series:
     shown: np.ndarray
     y: np.ndarray
     noise: float
+    dof: float = math.inf
+    nonfinite: np.ndarray | None = None
+
+
+def _cell_level(da: xr.DataArray | None, cell: Mapping[str, int]) -> float:
+    """The median over commits of a per-commit level (noise, degrees of freedom); NaN if none."""
+    if da is None:
+        return math.nan
+    values = da.isel(cell).values
+    return float(np.nanmedian(values)) if np.isfinite(values).any() else math.nan
 
 
 def case_series(history: xr.Dataset) -> list[Series]:
@@ -230,22 +281,27 @@ def case_series(history: xr.Dataset) -> list[Series]:
             if name not in history.data_vars:
                 continue
             da = history[name].transpose("commit", ...)
-            noise_name = f"{name}_noise" if kind == "trained" else f"replay_{metric}_noise"
-            noise = history[noise_name].transpose("commit", ...) if noise_name in history.data_vars else None
+
+            def variable(suffix: str) -> xr.DataArray | None:
+                full = f"{kind}_{metric}_{suffix}"
+                return history[full].transpose("commit", ...) if full in history.data_vars else None
+
+            noise, dof, nonfinite = variable("noise"), variable("noise_dof"), variable("nonfinite")
             numel = _numel(history, da, metric) if kind == "trained" else None
             groups = [d for d in da.dims if d != "commit"]
             coords = [(d, da[d].values) for d in groups]
             for index in np.ndindex(*[da.sizes[d] for d in groups]):
                 cell = dict(zip(groups, index))
                 values = da.isel(cell).values
-                if not np.isfinite(values).any():
+                broken = None if nonfinite is None else nonfinite.isel(cell).values
+                if not np.isfinite(values).any() and not (broken is not None and np.nanmax(broken, initial=0) > 0):
                     continue
                 where = {d: to_python(c[i]) for (d, c), i in zip(coords, index)}
-                level = np.nan if noise is None else float(np.nanmedian(noise.isel(cell).values)) \
-                    if np.isfinite(noise.isel(cell).values).any() else np.nan
+                level = _cell_level(noise, cell)
                 if kind == "trained":
                     n = None if numel is None else numel.isel(cell).values
-                    found.append(Series(kind, metric, where, values, detection_space(metric, values, n), level))
+                    found.append(Series(kind, metric, where, values, detection_space(metric, values, n), level,
+                                        _cell_level(dof, cell) if dof is not None else math.inf, broken))
                 else:
                     found.append(Series(kind, metric, where, values / level if level > 0 else values * np.nan,
                                         values, level))
@@ -253,12 +309,13 @@ def case_series(history: xr.Dataset) -> list[Series]:
 
 
 def find_steps(series: Sequence[Series], rate: float = FALSE_ALARM_RATE) -> list[Step]:
-    """The steps of every series of one case with a noise level, largest first; each step's levels
-    are the medians of the segments PELT found on either side of it."""
+    """The steps of every series of one case, largest first: where its trained points turn
+    non-finite, and, for a series with a noise level, where PELT changes its level (each step's
+    levels the medians of the segments on either side of it)."""
     searched = [s for s in series if s.noise > 0]
-    steps = []
+    steps = [step for s in series for step in _nonfinite_steps(s)]
     for s in searched:
-        changes = change_points(s.y, s.noise, lambda n: step_penalty(len(searched), n, rate))
+        changes = change_points(s.y, s.noise, lambda n: step_penalty(len(searched), n, s.dof, rate))
         bounds = [0, *changes, s.y.size]
         for i, index in enumerate(changes, start=1):
             before, after = slice(bounds[i - 1], index), slice(index, bounds[i + 1])
@@ -267,16 +324,20 @@ def find_steps(series: Sequence[Series], rate: float = FALSE_ALARM_RATE) -> list
     return sorted(steps, key=lambda step: -abs(step.size))
 
 
+def _nonfinite_steps(s: Series) -> list[Step]:
+    """A step of infinite size at each commit whose trained points turn NaN or Inf where the
+    previous measured commit had none: a run that diverges has no level to step to."""
+    if s.nonfinite is None:
+        return []
+    measured = np.flatnonzero(np.isfinite(s.nonfinite))
+    return [Step(s.kind, s.metric, s.where, int(i), float(s.nonfinite[j]), float(s.nonfinite[i]), math.inf)
+            for j, i in zip(measured[:-1], measured[1:]) if s.nonfinite[i] > 0 and s.nonfinite[j] == 0]
+
+
 def _median(values: np.ndarray) -> float:
-    return float(np.nanmedian(np.asarray(values, dtype=np.float64)))
-
-
-def steps_to_json(steps: Sequence[Step], commits: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Steps as summary.json lists them: the commit each starts at, named."""
-    return [{"series": step.series, "kind": step.kind, "metric": step.metric, "where": step.where,
-             "commit": commits[step.index]["commit"], "subject": commits[step.index]["subject"],
-             "before": step.before, "after": step.after, "size_in_noise": step.size}
-            for step in steps]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a segment of non-finite values only
+        return float(np.nanmedian(np.asarray(values, dtype=np.float64)))
 
 
 @dataclass
@@ -286,16 +347,15 @@ class CaseHistory:
     case: str
     host: str
     host_label: str
-    commits: list[dict[str, str]]  # commit, commit_time, subject, branch
-    data: xr.Dataset
+    commits: list[dict[str, Any]]  # commit, commit_time, subject, branch
     series: list[Series]
     steps: list[Step]
 
 
-def case_history(case: str, host: str, host_label: str, commits: list[dict[str, str]], data: xr.Dataset,
+def case_history(case: str, host: str, host_label: str, commits: list[dict[str, Any]], data: xr.Dataset,
                  rate: float = FALSE_ALARM_RATE) -> CaseHistory:
     """The history of one case on one host: its records along `commit`, oldest first."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells: series some commits lack
         series = case_series(data)
-    return CaseHistory(case, host, host_label, commits, data, series, find_steps(series, rate))
+    return CaseHistory(case, host, host_label, commits, series, find_steps(series, rate))
