@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from synthetic_data import history_store  # noqa: E402
 
 from precision_suite import cli  # noqa: E402
-from precision_suite.jobs.history import CaseFilter, load_histories  # noqa: E402
+from precision_suite.jobs.history import load_histories  # noqa: E402
+from precision_suite.jobs.selection import Selection  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 PLANT_CASE, PLANT_CELL, PLANT_FROM = "gpt-softmax-fp8-block", dict(layer=5, tensor="gradient", layout="1x128"), 30
@@ -51,7 +52,7 @@ def compare_asv(store: Path, planted: set[tuple]) -> None:
     from asv.step_detect import detect_steps
 
     found = {"precision-suite (ruptures PELT, twins' noise)": [], "asv detect_steps (own noise estimate)": []}
-    cases = load_histories(store, CaseFilter(), None)
+    cases = load_histories(store, Selection(), None)
     for case in cases:
         for step in case.steps:
             found["precision-suite (ruptures PELT, twins' noise)"].append(

@@ -373,8 +373,7 @@ def _cmd_history_record(args: argparse.Namespace, commands: ModuleType, _calibra
 
 
 def _cmd_history_report(args: argparse.Namespace, commands: ModuleType, _calibrate: ModuleType) -> int:
-    keep = commands.CaseFilter(case=args.case, model=args.model, attention=args.attention, recipe=args.recipe)
-    return commands.report_history(args.store, keep, since=args.since, branch=args.branch, report_dir=args.report_dir,
+    return commands.report_history(args.store, commands.Selection.from_args(args), since=args.since, branch=args.branch, report_dir=args.report_dir,
                                    charts=args.charts)
 
 

@@ -91,7 +91,6 @@ def test_since_keeps_the_commits_from_that_one_on(toy_history, tmp_path, monkeyp
                      "--report-dir", str(out), "--charts", "none"]) == 0
     (case,) = json.loads((out / "summary.json").read_text())["cases"]
     assert [c["commit"] for c in case["commits"]] == [toy_history["shas"][n] for n in range(5, 9)]
-    assert case["steps"] == []  # one numerics epoch: nothing to step from
 
 
 def test_recording_a_commit_again_replaces_its_record(toy_history, tmp_path, monkeypatch, capsys):
@@ -238,9 +237,10 @@ def test_a_store_of_the_default_matrix_finds_the_plants_and_no_other_step(tmp_pa
     cases = ["gpt-softmax-fp8-block", "vit-softmax-fp32", "gpt-softmax-nvfp4-2d293d63"]
     shas = history_store(tmp_path / "store", BASELINES, cases, 40,
                          plant=("gpt-softmax-fp8-block", "underflow", cell, 16.0, 10.0, 22))
-    from precision_suite.jobs.history import CaseFilter, load_histories
+    from precision_suite.jobs.history import load_histories
+    from precision_suite.jobs.selection import Selection
 
-    found = {c.case: c for c in load_histories(tmp_path / "store", CaseFilter(), None)}
+    found = {c.case: c for c in load_histories(tmp_path / "store", Selection(), None)}
     assert sum(len(c.series) for c in found.values()) > 1000
     steps = [(c, s) for c, h in found.items() for s in h.steps]
     assert {(c, s.kind, s.metric, tuple(s.where.items()), shas[s.index]) for c, s in steps} == {
@@ -296,6 +296,19 @@ def test_a_seed_estimated_noise_needs_the_t_penalty():
     student = sum(bool(history.change_points(y, s, lambda e: history.step_penalty(n_series, e, 3)))
                   for y, s in zip(series, noises))
     assert normal > 0 and student == 0
+
+
+def test_a_run_whose_every_trained_point_is_nan_is_recorded_as_diverged():
+    """NaN at every trained point is a diverged run (its first point was a number), not a cell the
+    run does not measure: the record says 100%, and the history steps there."""
+    from precision_suite.files import load_dataset
+
+    run = load_dataset(BASELINES / "vit-softmax-fp32.nc").isel(seed=0, drop=True)
+    diverged = run.assign(loss=run["loss"].where(run["train_step"] == 0))
+    assert float(history.summarize(diverged)["trained_loss_nonfinite"]) == 1.0
+    assert float(history.summarize(run)["trained_loss_nonfinite"]) == 0.0
+    unmeasured = history.summarize(run)["trained_underflow_nonfinite"].sel(tensor="activation", layout="128x1")
+    assert unmeasured.isnull().all()  # a pair the run never measures stays unmeasured
 
 
 def test_a_series_that_turns_non_finite_is_a_step():

@@ -15,7 +15,7 @@ from precision_suite.jobs.baselines import regenerate, regeneration_size
 # the command line calls every command through this module, these included
 from precision_suite.jobs.bisect import bisect_commits
 from precision_suite.jobs.diff import diff_commits
-from precision_suite.jobs.history import CaseFilter, record_results, report_history
+from precision_suite.jobs.history import record_results, report_history
 from precision_suite.jobs.reproduce import figure_specs, reproduce
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import EXIT_OK, UsageError

@@ -7,7 +7,7 @@ The store is a folder of plain files that a CI cache or artifact carries:
 
 netCDF, one small file per record, rather than one Zarr store with a growing `commit` dimension:
 netCDF is already how runs and baselines are kept, so no new dependency; and a record is
-written as a whole file, atomically (files.save_dataset: a temp file renamed onto its place), so
+written as a whole file, atomically (files.atomic_file: a temp file renamed onto its place), so
 two jobs recording at once never write into one file: each record lands whole, the store is never
 half-written, and the same commit, host and case recorded again replaces its file (the later write
 wins) instead of appending a duplicate. Appending to one Zarr array from two processes needs a lock
@@ -19,9 +19,10 @@ HDF5-based netCDF4 of runs and baselines: a record is a few small arrays, and HD
 overhead made reading one 22x slower (64 ms against 2.9 ms, measured on the default matrix's
 records), which is most of a 50-commit report. Classic files are uncompressed and 4x smaller here.
 
-`<host>` is a short hash of the runs' fingerprint (vector ISA, device, threads, torch, Python)
-without the kernel's release, which runner images update under the same numbers: a history is a
-series of one host's bitwise-reproducible runs, and another host's runs form another series.
+`<host>` is a short hash of the runs' fingerprint (vector ISA, device, threads, torch, Python, the
+platform's system, machine and C library) without the kernel's release, which runner images update
+under the same numbers: a history is a series of one host's bitwise-reproducible runs, and another
+host's runs form another series.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION, atomic_file, load_dataset, safe_filename, write_json
 from precision_suite.jobs import git, judging, results
+from precision_suite.jobs.selection import Selection
 from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, EXIT_OK, UsageError
 from precision_suite.reports.history import write_history_report
 from precision_suite.verdicts import baselines, history, replays
@@ -49,22 +50,6 @@ from precision_suite.version import __version__
 STORE_MARKER = "precision-suite-history.json"
 RECORD_ENGINE = "scipy"  # netCDF classic (module docstring)
 _MACHINE = re.compile(r"-(x86_64|amd64|aarch64|arm64|armv7l|ppc64le|s390x|i686|riscv64)(?=-|$)")
-
-
-@dataclass(frozen=True)
-class CaseFilter:
-    """`history report`'s selection: exact case ids, or models, attention variants and recipes."""
-
-    case: Sequence[str] | None = None
-    model: Sequence[str] | None = None
-    attention: Sequence[str] | None = None
-    recipe: Sequence[str] | None = None
-
-    def keeps(self, case: str, spec: dict[str, Any]) -> bool:
-        return ((not self.case or case in self.case)
-                and all(not wanted or spec.get(name) in wanted
-                        for name, wanted in (("model", self.model), ("attention", self.attention),
-                                             ("recipe", self.recipe))))
 
 
 def host_of(ds: xr.Dataset) -> tuple[str, dict[str, Any]]:
@@ -205,7 +190,7 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
 RECORD_ATTRS = ("case", "host", "fingerprint", "commit", "commit_time", "commit_depth", "subject", "branch")
 
 
-def load_histories(store: Path, keep: CaseFilter, since: str | None, branch: str | None = None
+def load_histories(store: Path, keep: Selection, since: str | None, branch: str | None = None
                    ) -> list[history.CaseHistory]:
     """Every host and case of the store that `keep` selects, its records along `commit` in the
     order of the first-parent history (`git.commit_info`'s depth; commit time between equal
@@ -222,7 +207,7 @@ def load_histories(store: Path, keep: CaseFilter, since: str | None, branch: str
     for file in files:
         record = _read_record(store, file)
         spec = json.loads(record.attrs.get("spec") or "{}")
-        if not keep.keeps(record.attrs["case"], spec) or (branch is not None and record.attrs["branch"] != branch):
+        if not keep.matches(record.attrs["case"], spec) or (branch is not None and record.attrs["branch"] != branch):
             continue
         if since_depth is not None and int(record.attrs["commit_depth"]) < since_depth:
             continue
@@ -265,7 +250,7 @@ def _case_history(name: str, records: list[xr.Dataset]) -> history.CaseHistory:
                                 data.assign_coords(commit=[c["commit"] for c in commits]))
 
 
-def report_history(store_dir: str, keep: CaseFilter, *, since: str | None, branch: str | None = None,
+def report_history(store_dir: str, keep: Selection, *, since: str | None, branch: str | None = None,
                    report_dir: str | None, charts: str) -> int:
     """Per host and case: the headline series over commits, their steps, the report folder."""
     store = store_schema(Path(store_dir), create=False)

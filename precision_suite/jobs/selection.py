@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,13 @@ class Selection:
         """The selection of parsed arguments (an argparse.Namespace); flags a command lacks are None."""
         return cls(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)
                       if f.name != "quick"}, quick=bool(getattr(args, "quick", False)))
+
+    def matches(self, case: str, spec: Mapping[str, Any]) -> bool:
+        """Whether a stored case (its id and its spec's fields) passes --case, --model, --attention
+        and --recipe: `history report` selects among a store's cases, not the matrix's."""
+        wanted = {"model": self.model, "attention": self.attention, "recipe": self.recipe}
+        return (not self.case or case in self.case) and all(not values or spec.get(field) in values
+                                                             for field, values in wanted.items())
 
 
 def selected_specs(selection: Selection, validate: bool = True) -> list[RunSpec]:

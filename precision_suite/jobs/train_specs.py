@@ -26,7 +26,7 @@ from pathlib import Path
 
 import xarray as xr
 
-from precision_suite.files import load_dataset, save_dataset
+from precision_suite.files import load_dataset, save_dataset, write_json
 from precision_suite.jobs import results, train
 from precision_suite.jobs.usage import EXIT_USAGE, UsageError
 from precision_suite.training.replays import keep_state, replay, replay_steps, state_start
@@ -108,7 +108,7 @@ def main(argv: Sequence[str]) -> int:
                 raise UsageError(f"--keep-state-at names {len(args.keep_state_at)} step(s) for {len(specs)} spec(s)")
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / PROBLEMS).write_text(json.dumps(replay_specs(specs, out, args.keep_state_at, args.replay_from)))
+            write_json(replay_specs(specs, out, args.keep_state_at, args.replay_from), out / PROBLEMS)
             return 0
         for case, ds in train_specs(specs, args.workers).items():
             save_dataset(ds, results.result_path(args.out, case))

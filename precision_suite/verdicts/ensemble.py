@@ -183,7 +183,7 @@ def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.
     largest = {metric: 0.0 for metric in counts}
     for reference, twin, metric in _twin_pairs(references, twins, counts):
         a, b = _shared_points(reference, twin, metric)
-        numel = _numel(reference, a)
+        numel = numel_like(reference, a)
         c = a.values * (1.0 if numel is None else numel)
         d = np.abs(b.values * (1.0 if numel is None else numel) - c) / np.sqrt(np.abs(c) + 1.0)
         d = d[np.isfinite(d)]
@@ -213,14 +213,17 @@ def count_allowance(count_noise: float, count: np.ndarray | float) -> np.ndarray
     return np.maximum(FIRST_STEP_FLIPS, FIRST_STEP_SAFETY * count_noise * np.sqrt(np.abs(count) + 1.0))
 
 
-def _time_dim(da: xr.DataArray) -> str:
+def time_dim(da: xr.DataArray) -> str:
+    """The dimension a metric's points run along (`step`, or `train_step` for the loss)."""
     return next(d for d in da.dims if d in TIME_DIMS)
 
 
-def _numel(ds: xr.Dataset, da: xr.DataArray) -> np.ndarray | None:
-    """Elements counted behind each cell of a fraction metric, broadcast to `da` (None: not a count)."""
-    if "numel" not in ds.data_vars or SPACES.get(str(da.name), SPACES["loss"]).kind != "log_count" \
-            or da.name == "nonfinite":
+def numel_like(ds: xr.Dataset, da: xr.DataArray, metric: str | None = None) -> np.ndarray | None:
+    """Elements counted behind each cell of a fraction metric (`metric`, default `da`'s name),
+    broadcast to `da` (None: not a count)."""
+    metric = str(da.name) if metric is None else metric
+    if "numel" not in ds.data_vars or SPACES.get(metric, SPACES["loss"]).kind != "log_count" \
+            or metric == "nonfinite":
         return None
     numel = ds["numel"]
     if "seed" in numel.dims:
@@ -281,17 +284,17 @@ class _Series:
 
 def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series | None:
     cur, ens = xr.align(current[metric], ensemble[metric], join="inner", exclude=["seed"])
-    time_dim = _time_dim(cur)
-    group_dims = [d for d in cur.dims if d != time_dim]
-    cur = cur.transpose(*group_dims, time_dim)
-    ens = ens.transpose("seed", *group_dims, time_dim)
+    along = time_dim(cur)
+    group_dims = [d for d in cur.dims if d != along]
+    cur = cur.transpose(*group_dims, along)
+    ens = ens.transpose("seed", *group_dims, along)
     sizes = [cur.sizes[d] for d in group_dims]
     n_groups = int(np.prod(sizes, dtype=np.int64))
-    if n_groups == 0 or cur.sizes[time_dim] == 0:
+    if n_groups == 0 or cur.sizes[along] == 0:
         return None
     c = cur.values.astype(np.float64).reshape(n_groups, -1)
     e = ens.values.astype(np.float64).reshape(ens.sizes["seed"], n_groups, -1)
-    numel = _numel(current, cur)
+    numel = numel_like(current, cur)
     numel = None if numel is None else numel.reshape(n_groups, -1)
     groups = []
     pool_keys: dict[tuple, int] = {}
@@ -304,7 +307,7 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
         groups.append(where)
         key = tuple((d, v) for d, v in where.items() if d != "layer")
         pool[g] = pool_keys.setdefault(key, len(pool_keys))
-    return _Series(metric, groups, [to_python(t) for t in cur[time_dim].values], time_dim,
+    return _Series(metric, groups, [to_python(t) for t in cur[along].values], along,
                    transform(metric, e, numel), transform(metric, c, numel), c, e, pool, numel)
 
 
@@ -585,7 +588,7 @@ def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
         return None
     z = trained_threshold(_n_statistics(all_series(current, ensemble)))
     mean, sd = spread(s, 1)
-    numel = _numel(current, current[metric])
+    numel = numel_like(current, current[metric])
     n = None if numel is None else numel.reshape(len(s.groups), -1)[g]
     low, high = inverse(metric, mean[g] - z * sd[g], n), inverse(metric, mean[g] + z * sd[g], n)
     return np.fmin(low, high), np.fmax(low, high)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,8 @@ import ruptures
 import xarray as xr
 from scipy.stats import t as student_t
 
-from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE, FIRST_STEP_SAFETY, SPACES, transform, z_threshold
+from precision_suite.verdicts.ensemble import (FALSE_ALARM_RATE, FIRST_STEP_SAFETY, SPACES, numel_like, time_dim,
+                                               transform, z_threshold)
 from precision_suite.verdicts.findings import TIME_DIMS, format_where, to_python
 
 HISTORY_SCHEMA_VERSION = 1  # the record layout below; bump on any change (jobs/history.py refuses others)
@@ -84,26 +85,14 @@ def detection_space(metric: str, values: np.ndarray | xr.DataArray, numel: np.nd
         return 2.0 * np.sqrt(np.maximum(count, 0.0) + 0.375)
 
 
-def _numel(ds: xr.Dataset, like: xr.DataArray, metric: str) -> xr.DataArray | None:
-    if not is_count(metric) or "numel" not in ds.data_vars:
-        return None
-    numel = ds["numel"]
-    return (numel.isel(seed=0, drop=True) if "seed" in numel.dims else numel).broadcast_like(like)
-
-
-def _time_dim(da: xr.DataArray) -> str:
-    return next(d for d in da.dims if d in TIME_DIMS)
-
-
 def _trained_median(da: xr.DataArray) -> xr.DataArray:
     """The median over trained points (all but the first) of each series."""
-    time = _time_dim(da)
-    return da.isel({time: slice(1, None)}).median(time, skipna=True)
+    along = time_dim(da)
+    return da.isel({along: slice(1, None)}).median(along, skipna=True)
 
 
 def _last_point(da: xr.DataArray) -> xr.DataArray:
-    time = _time_dim(da)
-    return da.isel({time: -1}, drop=True)
+    return da.isel({time_dim(da): -1}, drop=True)
 
 
 def summarize(run: xr.Dataset, *, ensemble: xr.Dataset | None = None, replay: xr.Dataset | None = None,
@@ -125,9 +114,11 @@ def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset 
         median = _trained_median(da)
         variables[f"trained_{metric}"] = median.assign_attrs(
             description=f"median of {metric} over the run's finite trained points")
-        trained = da.isel({_time_dim(da): slice(1, None)})
-        variables[f"trained_{metric}_nonfinite"] = (~np.isfinite(trained)).mean(_time_dim(da)).where(
-            trained.notnull().any(_time_dim(da)) | np.isinf(trained).any(_time_dim(da))).assign_attrs(
+        along = time_dim(da)
+        # measured: any point is a number or Inf, the first (untrained) one included, so that a run
+        # whose every trained point is NaN counts as diverged, not as unmeasured
+        variables[f"trained_{metric}_nonfinite"] = (~np.isfinite(da.isel({along: slice(1, None)}))).mean(along).where(
+            da.notnull().any(along)).assign_attrs(
             description="fraction of the trained points that are NaN or Inf (NaN: a cell the run does not measure)")
         if ensemble is not None and metric in ensemble.data_vars and "seed" in ensemble[metric].dims:
             variables.update(_trained_noise(metric, ensemble, median))
@@ -146,17 +137,14 @@ def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> dic
     layout over every layer), whose degrees of freedom are those of the pool's cells together."""
     members = _trained_median(ensemble[metric].astype(np.float64))
     members, like = xr.align(members, like, join="right", exclude=["seed"])
-    y = xr.DataArray(detection_space(metric, members.values,
-                                     None if (n := _numel(ensemble, members, metric)) is None else n.values),
-                     dims=members.dims, coords=members.coords)
-    measured = y.notnull().sum("seed")
-    var = y.var("seed", ddof=1).where(measured >= 2)
-    pool_dims = [d for d in var.dims if d == "layer"]
-    pooled = var.mean(pool_dims) if pool_dims else var
-    dof = ((measured - 1).clip(min=0).where(var.notnull()).sum(pool_dims) if pool_dims else (measured - 1)).broadcast_like(var)
+    y = members.copy(data=detection_space(metric, members.values, numel_like(ensemble, members, metric)))
+    dof_cell = (y.notnull().sum("seed") - 1).clip(min=0)
+    var = y.var("seed", ddof=1).where(dof_cell >= 1)
+    pool = ["layer"] if "layer" in var.dims else []
+    pooled = var.mean(pool).broadcast_like(var)  # NaN where no cell of the pool is measured
+    dof = dof_cell.where(var.notnull()).sum(pool).broadcast_like(var)
     floor = POISSON_SPREAD if is_count(metric) else SPACES[metric].min_spread
-    noise = np.sqrt(np.fmax(var.fillna(0.0), pooled.broadcast_like(var))).where(pooled.broadcast_like(var).notnull())
-    noise = np.fmax(noise, floor).where(noise.notnull())  # unmeasured stays NaN: not searched, not floored
+    noise = np.sqrt(np.fmax(np.fmax(var.fillna(0.0), pooled), floor ** 2)).where(pooled.notnull())
     return {f"trained_{metric}_noise": noise.transpose(*like.dims).assign_attrs(
                 description=f"spread of the baseline seeds' trained medians (at least their pool's), in "
                             f"{metric}'s detection space"),
@@ -167,8 +155,7 @@ def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> dic
 def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[str, xr.DataArray]:
     current, reference = xr.align(_last_point(replay[metric].astype(np.float64)),
                                   _last_point(stored[metric].astype(np.float64)), join="inner")
-    numel = _numel(replay, current, metric)
-    n = None if numel is None else numel.values
+    n = numel_like(replay, current, metric)
     delta = detection_space(metric, current.values, n) - detection_space(metric, reference.values, n)
     if is_count(metric):
         noise = max(float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)), POISSON_SPREAD)
@@ -264,47 +251,46 @@ class Series:
     nonfinite: np.ndarray | None = None
 
 
-def _cell_level(da: xr.DataArray | None, cell: Mapping[str, int]) -> float:
-    """The median over commits of a per-commit level (noise, degrees of freedom); NaN if none."""
-    if da is None:
-        return math.nan
-    values = da.isel(cell).values
-    return float(np.nanmedian(values)) if np.isfinite(values).any() else math.nan
-
-
 def case_series(history: xr.Dataset) -> list[Series]:
-    """Every series of a case's history (records concatenated along `commit`)."""
+    """Every series of a case's history (records concatenated along `commit`): each variable is
+    read once as a (commit, cell) array, then cut into its cells' columns."""
     found = []
     for metric in HEADLINE_METRICS:
         for kind in KINDS:
             name = f"trained_{metric}" if kind == "trained" else f"replay_{metric}_delta"
             if name not in history.data_vars:
                 continue
-            da = history[name].transpose("commit", ...)
+            groups = [d for d in history[name].dims if d != "commit"]
+            da = history[name].transpose("commit", *groups)
 
-            def variable(suffix: str) -> xr.DataArray | None:
+            def columns(array: np.ndarray | xr.DataArray | None) -> np.ndarray | None:
+                """(commit, cell) values of a variable shaped like `da`."""
+                if isinstance(array, xr.DataArray):
+                    array = array.broadcast_like(da).transpose("commit", *groups).values
+                return None if array is None else np.asarray(array, dtype=np.float64).reshape(da.sizes["commit"], -1)
+
+            def variable(suffix: str) -> np.ndarray | None:
                 full = f"{kind}_{metric}_{suffix}"
-                return history[full].transpose("commit", ...) if full in history.data_vars else None
+                return columns(history[full]) if full in history.data_vars else None
 
-            noise, dof, nonfinite = variable("noise"), variable("noise_dof"), variable("nonfinite")
-            numel = _numel(history, da, metric) if kind == "trained" else None
-            groups = [d for d in da.dims if d != "commit"]
-            coords = [(d, da[d].values) for d in groups]
-            for index in np.ndindex(*[da.sizes[d] for d in groups]):
-                cell = dict(zip(groups, index))
-                values = da.isel(cell).values
-                broken = None if nonfinite is None else nonfinite.isel(cell).values
-                if not np.isfinite(values).any() and not (broken is not None and np.nanmax(broken, initial=0) > 0):
+            values, noise, dof, nonfinite = columns(da), variable("noise"), variable("noise_dof"), variable("nonfinite")
+            levels = np.full(values.shape[1], np.nan) if noise is None else np.nanmedian(noise, axis=0)
+            if kind == "trained":
+                numel = columns(numel_like(history, da, metric))
+                y = detection_space(metric, values, numel)
+                dofs = np.full(values.shape[1], np.inf) if dof is None else np.nanmedian(dof, axis=0)
+            coords = [da[d].values for d in groups]
+            for k, index in enumerate(np.ndindex(*[da.sizes[d] for d in groups])):
+                broken = None if nonfinite is None else nonfinite[:, k]
+                if not np.isfinite(values[:, k]).any() and not (broken is not None and np.nanmax(broken, initial=0) > 0):
                     continue
-                where = {d: to_python(c[i]) for (d, c), i in zip(coords, index)}
-                level = _cell_level(noise, cell)
+                where = {d: to_python(c[i]) for d, c, i in zip(groups, coords, index)}
+                level = float(levels[k])
                 if kind == "trained":
-                    n = None if numel is None else numel.isel(cell).values
-                    found.append(Series(kind, metric, where, values, detection_space(metric, values, n), level,
-                                        _cell_level(dof, cell) if dof is not None else math.inf, broken))
+                    found.append(Series(kind, metric, where, values[:, k], y[:, k], level, float(dofs[k]), broken))
                 else:
-                    found.append(Series(kind, metric, where, values / level if level > 0 else values * np.nan,
-                                        values, level))
+                    found.append(Series(kind, metric, where, values[:, k] / level if level > 0 else values[:, k] * np.nan,
+                                        values[:, k], level))
     return found
 
 
