@@ -172,7 +172,7 @@ def test_diff_without_a_numeric_change_is_bitwise_identical(toy_repo, tmp_path, 
     repo, _ = toy_repo
     assert cli.main(["diff", "c2", "c3", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
-    assert "numerics unchanged: toy.model-build-softmax-fp32-" in out and "bitwise identical" in out
+    assert "numerics unchanged: toy.model-build-softmax-own-" in out and "bitwise identical" in out
     assert len(interpreters) == 2 and "measured" not in out  # nothing to replay
     assert len(worktrees(repo)) == 1
 

@@ -10,7 +10,9 @@ A tensor of any rank is viewed as 2-D with its leading dimensions flattened into
   the weight-gradient GEMM reads);
 - `(128, 128)`: square blocks (weights);
 - `(1, 32)` / `(32, 1)` and `(1, 16)` / `(16, 1)`: MX and NVFP4 blocks along either axis;
-  `(16, 16)`: NVFP4 square weight blocks (one scale per 256 elements).
+  `(16, 16)`: NVFP4 square weight blocks (one scale per 256 elements);
+- `"row"` / `"column"`: one scale per row / per column, whatever its length (torchao's rowwise
+  float8 recipes: "axiswise" scaling), held as `(1, 0)` / `(0, 1)`, 0 meaning the whole axis.
 
 Shapes that do not divide by the block are zero-padded; a zero never raises a block's amax, so
 padding never changes a scale.
@@ -29,6 +31,7 @@ from precision_suite.numerics.formats import Format, get_format
 Layout = Union[str, tuple[int, int]]  # "tensor" or (rows, cols)
 
 _BLOCK_RE = re.compile(r"^\s*(\d+)\s*[x,]\s*(\d+)\s*$")
+WHOLE_AXIS = {"row": (1, 0), "column": (0, 1)}  # 0: the block spans the whole axis
 
 
 def parse_layout(spec: object, fmt: str | Format | None = None) -> Layout:
@@ -45,6 +48,8 @@ def parse_layout(spec: object, fmt: str | Format | None = None) -> Layout:
     layout: Layout
     if spec == "tensor":
         layout = "tensor"
+    elif isinstance(spec, str) and spec in WHOLE_AXIS:
+        layout = WHOLE_AXIS[spec]
     elif isinstance(spec, str) and (m := _BLOCK_RE.match(spec)):
         layout = (int(m.group(1)), int(m.group(2)))
     elif (
@@ -55,10 +60,10 @@ def parse_layout(spec: object, fmt: str | Format | None = None) -> Layout:
         layout = (int(spec[0]), int(spec[1]))
     else:
         raise ValueError(
-            f"unknown layout {spec!r}: use 'tensor', a (rows, cols) tuple such as (1, 128) or "
-            "(128, 1), or a string such as '1x128'"
+            f"unknown layout {spec!r}: use 'tensor', 'row', 'column', a (rows, cols) tuple such as "
+            "(1, 128) or (128, 1), or a string such as '1x128'"
         )
-    if layout != "tensor" and min(layout) < 1:
+    if layout != "tensor" and layout not in WHOLE_AXIS.values() and min(layout) < 1:
         raise ValueError(f"layout {layout!r}: block dimensions must be positive")
     # a fixed-block format scales vectors of `block` elements along either axis; square blocks of
     # block x block elements share one scale too (the NVFP4 training recipe's 16x16 weight blocks)
@@ -80,9 +85,16 @@ def layout_label(fmt: str | Format, layout: object = None) -> str:
     f = get_format(fmt)
     if f.block is not None or f.scale_rule == "none":
         return f.name
-    lay = parse_layout(layout, f)
-    text = "tensor" if lay == "tensor" else f"{lay[0]}x{lay[1]}"
+    text = layout_text(parse_layout(layout, f))
     return text if f.name == "e4m3" else f"{f.name}:{text}"
+
+
+def layout_text(layout: Layout) -> str:
+    """A parsed layout as written: "tensor", "row", "column" or "RxC"."""
+    if layout == "tensor":
+        return "tensor"
+    word = next((word for word, block in WHOLE_AXIS.items() if block == layout), None)
+    return word or f"{layout[0]}x{layout[1]}"
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +107,10 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_shape(layout: Layout, rows: int, cols: int) -> tuple[int, int]:
-    """Concrete block shape for a 2-D tensor of `rows x cols`."""
-    return (rows, cols) if layout == "tensor" else layout  # type: ignore[return-value]
+    """Concrete block shape for a 2-D tensor of `rows x cols` (a 0 spans the whole axis)."""
+    if layout == "tensor":
+        return rows, cols
+    return layout[0] or rows, layout[1] or cols  # type: ignore[index]
 
 
 def to_blocks(x2d: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -10,7 +10,7 @@ Like Transformer Engine's debug-stats table: adding a metric is one row here, pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Metric:
     bad: str | None
     space: Space | None
     description: str
+    counted_by: str = "numel"  # the variable of the elements behind a fraction (log_count spaces)
 
     def attrs(self) -> dict[str, object]:
         """CF-style attributes of the dataset variable holding this metric."""
@@ -94,5 +95,19 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
 
 # metrics of one quantized tensor, in the order probes record them
 QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
+
+
+def observed_name(metric: str) -> str:
+    """The variable of `metric` measured on the model's own quantization (training/observation.py)."""
+    return f"observed_{metric}"
+
+
+# The same metrics of the quantization the model's own code did (its casts into 8-bit floats, as
+# its scaled GEMMs consumed them), per operand: same definitions, spaces and bad directions.
+METRICS.update({observed_name(name): replace(
+    METRICS[name], name=observed_name(name), long_name=f"observed {METRICS[name].long_name}",
+    counted_by="observed_numel",
+    description=f"{METRICS[name].description}; of the quantization the model's own code did, per GEMM operand")
+    for name in QUANT_METRICS})
 # compared against a seed ensemble, each in its own space
 COMPARED = {name: m for name, m in METRICS.items() if m.space is not None}

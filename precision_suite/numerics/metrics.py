@@ -106,23 +106,38 @@ def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[to
     # Compared with amax rather than by isfinite(blocks), the compiled kernel computes the mask in
     # its sweep over the blocks instead of a sweep of its own.
     finite = blocks.abs() <= amax
-    x64 = torch.where(finite, blocks, 0.0).double()
+    overflowed = scaled.abs() > fmt.element.overflow_threshold
+    return _sums(blocks, x_hat, finite, overflowed), torch.stack([scales.min(), scales.max()])
+
+
+def _sums(x: torch.Tensor, x_hat: torch.Tensor, finite: torch.Tensor, overflowed: torch.Tensor) -> torch.Tensor:
+    """SUM_FIELDS of a float32 tensor `x` and its reconstruction `x_hat`: `finite` marks the finite
+    elements of x, `overflowed` those whose scaled value rounded past the format's max."""
+    x64 = torch.where(finite, x, 0.0).double()
     y64 = torch.where(finite, x_hat, 0.0).double()
     zero_after = x_hat == 0
-    count = torch.int32 if blocks.numel() < 2**31 else torch.int64
+    count = torch.int32 if x.numel() < 2**31 else torch.int64
     counts = [
         (~finite).sum(dtype=count),
-        ((blocks != 0) & zero_after).sum(dtype=count),
+        ((x != 0) & zero_after).sum(dtype=count),
         zero_after.sum(dtype=count),
-        ((scaled.abs() > fmt.element.overflow_threshold) | ~torch.isfinite(x_hat)).sum(dtype=count),
+        (overflowed | ~torch.isfinite(x_hat)).sum(dtype=count),
     ]
     products = [(x64 * y64).sum(), (x64 * x64).sum(), (y64 * y64).sum(), ((x64 - y64) ** 2).sum()]
-    sums = torch.stack([
-        torch.full((), blocks.numel(), dtype=torch.float64, device=blocks.device),
+    return torch.stack([
+        torch.full((), x.numel(), dtype=torch.float64, device=x.device),
         *(c.double() for c in counts),
         *products,
     ])
-    return sums, torch.stack([scales.min(), scales.max()])
+
+
+def reconstruction_stats(x: torch.Tensor, x_hat: torch.Tensor, overflowed: torch.Tensor) -> QuantStats:
+    """The sums of a quantization someone else made: `x` the high-precision tensor, `x_hat` its
+    reconstruction (same shape), `overflowed` the elements whose scaled value rounded past the
+    format's max. Same definitions as `quant_stats`; the scale range is not known (NaN)."""
+    x, x_hat = x.detach().float(), x_hat.detach().float()
+    nan = torch.full((2,), float("nan"), device=x.device)
+    return QuantStats(_sums(x, x_hat, torch.isfinite(x), overflowed), nan)
 
 
 def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> QuantStats:

@@ -150,6 +150,40 @@ def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
     return fig
 
 
+def plot_observed_quant_error(ds: xr.Dataset, path: str | os.PathLike | None = None) -> Figure:
+    """Figure B of the model's own quantization (training/observation.py): underflow (top) and
+    distortion (bottom) of each GEMM operand its code quantized, a line per layer, titled with
+    the observed format; operands it did not quantize are left out."""
+    _require_variables(ds, ("observed_underflow", "observed_distortion", "tokens"),
+                       f"dataset {ds.attrs.get('case', '')!r}")
+    rows = ("observed_underflow", "observed_distortion")
+    operands = [str(o) for o in ds["operand"].values if np.isfinite(ds["observed_distortion"].sel(operand=o)).any()]
+    fig, axes = _new_figure(len(rows), max(len(operands), 1))
+    layers = [int(v) for v in ds["layer"].values]
+    colours = _palette(len(layers), sequential=True)
+    tokens = ds["tokens"].values
+    formats = ds["observed_format"] if "observed_format" in ds else None
+    for row, metric in zip(axes, rows):
+        for ax, operand in zip(row, operands):
+            shown = sorted({part for v in formats.sel(operand=operand).values.ravel() for part in str(v).split("|")
+                            if part}) if formats is not None else []
+            ax.set_title(f"{metric.removeprefix('observed_')} {operand} ({', '.join(shown)})")
+            _set_x_axis(ax, "tokens")
+            ax.set_ylabel(METRICS[metric].axis_label)
+            ax.grid(True, alpha=0.3)
+            ax.ticklabel_format(axis="y", useOffset=False)
+            for colour, layer in zip(colours, layers):
+                ax.plot(tokens, ds[metric].sel(layer=layer, operand=operand).values.astype(float), color=colour,
+                        label=f"layer {layer}", linewidth=1.4)
+    fig.suptitle(f"the model's own quantization error per layer: {ds.attrs.get('case', 'run')}")
+    legend_source = next((ax for row in axes for ax in row if ax.get_lines()), None)
+    if legend_source is not None:
+        _figure_legend(fig, legend_source)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
 @dataclass(frozen=True)
 class _DriftPanel:
     """One drift panel: a metric at one fixed selection of its non-layer, non-step coordinates."""
@@ -330,7 +364,8 @@ def _select_pair(var: xr.DataArray, tensor: str, layout: str) -> xr.DataArray | 
 def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
     grouped: dict[tuple, list] = {}
     for finding in findings:
-        if finding.kind == "error" or finding.metric not in current.data_vars:
+        # the observed recipe's findings (a format, a GEMM count) are words, not a series to draw
+        if finding.kind == "error" or finding.metric not in current.data_vars or finding.metric not in METRICS:
             continue
         dims = current[finding.metric].dims
         where = dict(finding.where or {})

@@ -104,7 +104,8 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     overview = _draw_overviews(out, datasets) if charts != "none" else []
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
-    summary = _summary(entries, overview, known)
+    summary = _summary(entries, overview, known, {case: str(ds.attrs.get("quantized_by", ""))
+                                                  for case, ds in datasets.items()})
     summary["sensitivity"] = jsonable(dict(sensitivity)) if sensitivity else None
     write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     write_text(out / "summary.md", _markdown(summary, out))
@@ -147,6 +148,9 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
                            _charts.plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
     if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
         drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", _charts.plot_quant_error(ds)))
+    if "observed_underflow" in ds.data_vars:
+        drawn.append(_save(out, f"{safe_filename(case)}-observed-quant-error.png",
+                           _charts.plot_observed_quant_error(ds)))
     return drawn
 
 
@@ -206,7 +210,8 @@ def jsonable(value):
     return str(value)
 
 
-def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapping[str, str]) -> dict:
+def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapping[str, str],
+             quantized_by: Mapping[str, str]) -> dict:
     # known violations are listed with their status but do not set the overall verdict
     statuses = [str(e.verdict.status) for e in entries if e.verdict.case not in known]
     return {
@@ -220,7 +225,9 @@ def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapp
         "cases": [{"case": e.verdict.case, "status": e.verdict.status,
                    "findings": [jsonable(f) for f in e.verdict.findings],
                    "charts": list(e.charts), "missing_charts": list(e.missing_charts),
-                   "known_violation": known.get(e.verdict.case)}
+                   "known_violation": known.get(e.verdict.case),
+                   # what quantized the run, when the model's own code did (training/observation.py)
+                   "quantized_by": quantized_by.get(e.verdict.case, "")}
                   for e in entries],
     }
 
@@ -254,6 +261,8 @@ def _markdown(summary: dict, out: Path) -> str:
         lines += ["", f"### {STATUS_BADGE[case['status']]} `{case['case']}`", ""]
         if case["known_violation"]:
             lines.append(f"- known violation, not failing the run: {case['known_violation']}")
+        if case.get("quantized_by"):
+            lines.append(f"- quantized by the model's own code: {case['quantized_by']}")
         shown = _worst(case["findings"], MAX_FINDINGS_IN_MARKDOWN)
         lines += [f"- {f['message']}" for f in shown]
         if len(case["findings"]) > len(shown):
@@ -360,6 +369,8 @@ def _case_html(out: Path, i: int, case: dict) -> str:
              f"{_findings_table(case['findings'], link)}</details>" if case["findings"] else "")
     known = (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
              if case["known_violation"] else "")
+    if case.get("quantized_by"):
+        known += f'<p class="meta">Quantized by the model\'s own code: {esc(case["quantized_by"])}</p>'
     body = (f'<div class="case"><div class="charts">{charts}{missing}</div>'
             f'<aside class="worst">{worst_list}</aside></div>' if charts or missing else worst_list)
     return (f'<section id="case-{i}"><h2 class="{esc(case["status"])}">{_badge(case["status"])} '

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from precision_suite.numerics.formats import get_format
-from precision_suite.numerics.layouts import Layout, layout_label, parse_layout
+from precision_suite.numerics.layouts import Layout, layout_label, layout_text, parse_layout
 
 TENSOR_ROLES = ("activation", "gradient", "gradient_transpose", "weight")
 
@@ -112,6 +112,6 @@ def check_scheme_fits(scheme: Scheme, in_features: int, out_features: int, token
         if layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
             raise ValueError(
                 f"{what}: {scheme.name!r} cuts the {role} ({shape[0]}x{shape[1]}) into "
-                f"{layout[0]}x{layout[1]} blocks, bigger than the tensor; use more tokens per step "
+                f"{layout_text(layout)} blocks, bigger than the tensor; use more tokens per step "
                 f"(batch_size * seq_len = {tokens}) or a wider model, or a smaller layout"
             )

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from precision_suite.numerics.formats import ElementType, get_format
-from precision_suite.numerics.layouts import Layout, from_blocks, parse_layout, to_blocks
+from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
+from precision_suite.training.observation import unobserved
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
 from precision_suite.numerics.quantization import quantize
@@ -74,14 +75,16 @@ class Operand:
         # autograd.Function.forward gets inputs that still require grad; detached, the compiled
         # quantizer serves them with the graphs of the recorder's (detached) measurements
         x2d = x2d.detach()
-        if self.rounding == "nearest":
-            return quantize(x2d, self.fmt, self.layout).dequantized
-        if generator is None:
+        if self.rounding == "stochastic" and generator is None:
             raise ValueError("stochastic rounding needs a generator: build the model's recipe with set_recipe")
-        blocks = to_blocks(x2d.float(), self.layout)
-        result = quantization.qdq_blocks(blocks, get_format(self.fmt),
-                                         rounding=lambda y, element: quantization.stochastic_round(y, element, generator))
-        return from_blocks(result.dequantized, *x2d.shape)
+        with unobserved():  # the suite's emulation, not the model's own quantization
+            if self.rounding == "nearest":
+                return quantize(x2d, self.fmt, self.layout).dequantized
+            blocks = to_blocks(x2d.float(), self.layout)
+            result = quantization.qdq_blocks(
+                blocks, get_format(self.fmt),
+                rounding=lambda y, element: quantization.stochastic_round(y, element, generator))
+            return from_blocks(result.dequantized, *x2d.shape)
 
     def mismatches(self, live: Tensor, consumed: Tensor) -> Tensor:
         """How many elements of `consumed` (a 0-d int64 tensor) this operand's quantization of `live`
@@ -110,7 +113,7 @@ class Operand:
     def text(self) -> str:
         if self.fmt == HIGH_PRECISION:
             return HIGH_PRECISION
-        layout = "tensor" if self.layout == "tensor" else f"{self.layout[0]}x{self.layout[1]}"
+        layout = layout_text(self.layout)
         return f"{self.fmt}:{layout}" + (":stochastic" if self.rounding == "stochastic" else "")
 
 
@@ -200,7 +203,7 @@ class Recipe:
             if operand.fmt != HIGH_PRECISION and layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
                 raise ValueError(
                     f"{what}: recipe {self.name!r} cuts the {where.split('.')[0]} operand {operand.text()} "
-                    f"({shape[0]}x{shape[1]}) into {layout[0]}x{layout[1]} blocks, bigger than the tensor; "
+                    f"({shape[0]}x{shape[1]}) into {layout_text(layout)} blocks, bigger than the tensor; "
                     f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
 
     def quantized_elements(self, in_features: int, out_features: int, tokens: int, checked: bool = False) -> int:
@@ -454,6 +457,17 @@ def set_recipe(model: nn.Module, recipe: Recipe | Scheme | None, seed: int = 0) 
         module.__dict__.pop("forward", None)
         if recipe is not None:
             module.forward = functools.partial(_recipe_forward, module, recipe, generator)
+
+
+def own_quantization(model: nn.Module) -> list[str]:
+    """The layers `set_recipe` would take from a model although they compute their own way: an
+    ``nn.Linear`` subclass with a forward of its own (torchao's Float8Linear, a LoRA layer), as
+    "name (Class from module)". A recipe on such a model would silently replace their numerics."""
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        return []
+    return [f"{name} is a {type(module).__name__} ({type(module).__module__})"
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
 
 
 def layer_recipe(module: nn.Module) -> Recipe | None:

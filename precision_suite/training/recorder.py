@@ -51,9 +51,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
+from precision_suite.training.observation import (GEMMS, Observation, StepObservation, describe_observation,
+                                                  sequence_number, tag_nodes, unobserved)
 from precision_suite.training.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
 from precision_suite.training.recipes import GEMM_OPERANDS, Operand, add_operand_observer, layer_recipe
-from precision_suite.training.views import OperandCounts, run_dataset
+from precision_suite.training.views import ObservedSteps, OperandCounts, run_dataset
 
 WeightReader = Callable[[nn.Module], Tensor]
 
@@ -89,7 +91,7 @@ def weight_reader(module: nn.Module) -> WeightReader | None:
 
 def instrument(model: nn.Module, *, modules: str | re.Pattern | Sequence[str | re.Pattern] | None = None,
                schemes: Sequence[str | Scheme] = ("fp8-block",), attention: str | None = "auto",
-               sample_every: int = 1) -> Recorder:
+               sample_every: int = 1, observe: bool = True) -> Recorder:
     """A recorder of ``model``'s GEMM operands and attention norms (see the module docstring).
 
     modules: fully qualified module names to measure: globs (``"*.mlp.*"``) or compiled regular
@@ -97,15 +99,17 @@ def instrument(model: nn.Module, *, modules: str | re.Pattern | Sequence[str | r
     schemes: what each operand is measured under (``probes.get_scheme`` names or Schemes).
     attention: "auto" records attention-matrix norms (explicit taps, SDPA, softmax); None does not.
     sample_every: ``step(i)`` measures when i % sample_every == 0 (or when told ``sample=True``).
+    observe: also record the quantization the model's own code does, its casts into 8-bit floats
+      and its scaled GEMMs (training/observation.py), in the modules `modules` selects.
     """
-    return Recorder(model, modules, schemes, attention, sample_every)
+    return Recorder(model, modules, schemes, attention, sample_every, observe)
 
 
 class Recorder:
     """What ``instrument`` returns; see the module docstring."""
 
     def __init__(self, model: nn.Module, modules: Any, schemes: Sequence[str | Scheme],
-                 attention: str | None, sample_every: int) -> None:
+                 attention: str | None, sample_every: int, observe: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"instrument: model must be an nn.Module, got {type(model).__name__}")
         if attention not in ATTENTION_MODES:
@@ -115,8 +119,9 @@ class Recorder:
         if isinstance(schemes, (str, Scheme)):
             schemes = (schemes,)
         self.schemes = check_measurements([s if isinstance(s, Scheme) else get_scheme(s) for s in schemes])
-        self.model, self.attention, self.sample_every = model, attention, sample_every
+        self.model, self.attention, self.sample_every, self.observe = model, attention, sample_every, observe
         self.gemms = _select_gemms(model, modules)
+        self._observed_module = _module_filter(modules)
         self.names = {id(module): name for name, module in model.named_modules()}
         self._gemm_names = {id(module): name for name, (module, _) in self.gemms.items()}
         self.taps = [(name, module) for name, module in model.named_modules() if hasattr(module, "attention_tap")]
@@ -130,7 +135,9 @@ class Recorder:
         # per step, (module, operand) -> (mismatched elements, a 0-d tensor; elements compared)
         self._operands: list[dict[tuple[str, str], tuple[Tensor, int]]] = []
         self._declared: dict[str, dict[str, None]] = defaultdict(dict)  # operand -> its Operand.text()s
-        self._stack: list[str] = []  # names of the modules running now (attention attribution)
+        self._stack: list[tuple[str, int]] = []  # modules running now, each with its first autograd node
+        self._observed: list[StepObservation] = []
+        self._live: dict[str, dict[str, Tensor]] = {}  # module -> x, weight, dy of this step (observation)
         self._handles: list[Any] = []
         self._sampling = False  # inside a sampled step
         self._stop_observing: Callable[[], None] | None = None
@@ -153,16 +160,25 @@ class Recorder:
         intercepted: dict[str, list[float]] = defaultdict(list)
         operands: dict[tuple[str, str], tuple[Tensor, int]] = {}
         self._attach(sums, attention, intercepted, operands)
+        observation = Observation(self._module_now, self._live, self._observed_module) if self.observe else None
         try:
-            with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext():
+            with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext(), \
+                    observation if observation is not None else nullcontext():
                 yield True
         finally:
             self._detach()
+            self._live = {}
+        observed = observation.finish() if observation is not None else StepObservation()
+        for item in observed.operands:  # the consumed-operand invariant of observed GEMMs
+            if item.checked:
+                mismatched, numel = operands.get((item.module, item.operand), (0, 0))
+                operands[item.module, item.operand] = (mismatched + item.mismatched, numel + item.checked)
         # an explicit tap is the module's own account of phi(S): it wins over what was intercepted
         for name, values in intercepted.items():
             if name not in attention:
                 attention[name] = values
         self.steps.append(int(index))
+        self._observed.append(observed)
         self._sums.append(sums)
         self._attention.append(dict(attention))
         self._operands.append(operands)
@@ -173,8 +189,7 @@ class Recorder:
         if not self._sampling:
             return
         name = self.names.get(id(module)) if isinstance(module, nn.Module) else module
-        name = name if name is not None else (self._stack[-1] if self._stack else "")
-        self._add_attention(self._current_attention, name, attention)
+        self._add_attention(self._current_attention, name if name is not None else self._module_now(), attention)
 
     def _add_attention(self, into: dict[str, list[float]], name: str, attention: Tensor) -> None:
         into[name].append(_attention_norm(attention))
@@ -185,20 +200,29 @@ class Recorder:
         self._stop_observing = add_operand_observer(functools.partial(self._check_operand, operands))
         for name, (module, read_weight) in self.gemms.items():
             self._handles.append(module.register_forward_hook(self._gemm_hook(name, read_weight, sums)))
+            if self.observe:  # the sources the observation checks the module's own GEMM operands against
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._keep_live, name,
+                                                                                        read_weight)))
         for name, module in self.taps:
             module.attention_tap = lambda a, name=name: self._add_attention(attention, name, a)
-        if self.attention == "auto":
+        if self.attention == "auto" or self.observe:
             for name, module in self.model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
-                self._handles.append(module.register_forward_hook(lambda *_: self._leave()))
+                self._handles.append(module.register_forward_hook(lambda _, __, output: self._leave(output)))
         self._sampling = True
 
     # module hooks: a hook that returns a value replaces the module's input or output, so None
     def _enter(self, name: str) -> None:
-        self._stack.append(name)
+        self._stack.append((name, sequence_number()))
 
-    def _leave(self) -> None:
-        self._stack.pop()
+    def _leave(self, output: Any) -> None:
+        name, first_node = self._stack.pop()
+        if self.observe:  # in backward, the autograd nodes this forward made name the module
+            tag_nodes(output, name, first_node)
+
+    def _module_now(self) -> str:
+        """The innermost module running (the model itself: "")."""
+        return self._stack[-1][0] if self._stack else ""
 
     def _detach(self) -> None:
         if self._stop_observing is not None:
@@ -233,6 +257,7 @@ class Recorder:
 
         def on_gradient(dy: Tensor) -> None:
             dy2d = dy.reshape(-1, dy.shape[-1])
+            self._live.setdefault(name, {})["dy"] = dy2d
             add("gradient", dy2d)
             add("gradient_transpose", dy2d)
 
@@ -246,6 +271,17 @@ class Recorder:
                 output.register_hook(on_gradient)
 
         return hook
+
+    def observed_modules(self) -> set[str]:
+        """Modules whose own quantization the last sampled step observed (casts or scaled GEMMs)."""
+        if not self._observed:
+            return set()
+        last = self._observed[-1]
+        return {item.module for item in last.operands} | last.cast_modules
+
+    def _keep_live(self, name: str, read_weight: WeightReader, module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], Tensor):
+            self._live[name] = {"x": args[0].reshape(-1, args[0].shape[-1]), "weight": read_weight(module)}
 
     def measured_elements(self, tokens: int) -> int:
         """Elements one sampled step measures when every selected GEMM is fed `tokens` rows: the
@@ -274,7 +310,10 @@ class Recorder:
                 "`attention_tap`, calls no F.scaled_dot_product_attention and no softmax over square "
                 "(..., N, N) scores on sampled steps. Pass attention=None to record GEMMs only, or call "
                 "rec.record_attention(phi_S) from a custom kernel")
-        modules = list(self.gemms)
+        # the measured GEMM modules, then modules whose own quantization was observed elsewhere
+        observed_modules = [item.module for step in self._observed for item in step.operands]
+        observed_modules += [module for step in self._observed for module in step.unconsumed]
+        modules = list(dict.fromkeys([*self.gemms, *observed_modules]))
         where = {name: i for i, name in enumerate(modules)}
         roles = {role: i for i, role in enumerate(TENSOR_ROLES)}
         layouts = {label: i for i, label in enumerate(self.labels)}
@@ -289,8 +328,40 @@ class Recorder:
                 norms[i, attention_index[name]] = float(np.mean(values))
         first_labels = [self.schemes[0].role_labels()[role] for role in TENSOR_ROLES]
         attrs = {**({"N": self.tokens} if self.tokens else {}), **(attrs or {})}
+        observed = self._observed_steps(where) if observed_modules else None
+        if observed is not None:
+            attrs = {"quantized_by": describe_observation(self._observed, self.model), **attrs}
         return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs,
-                           operands=self._operand_counts(where))
+                           operands=self._operand_counts(where), observed=observed)
+
+    def _observed_steps(self, where: Mapping[str, int]) -> ObservedSteps:
+        """The observations as arrays over (step, module, operand or GEMM)."""
+        shape = (len(self.steps), len(where))
+        operand_index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
+        gemm_index = {name: i for i, name in enumerate(GEMMS)}
+        sums = np.zeros((*shape, len(GEMM_OPERANDS), len(SUM_FIELDS)))
+        formats = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+        scales = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+        blocks = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+        gemms = np.zeros((*shape, len(GEMMS)), dtype=np.int64)
+        accumulation = np.full((*shape, len(GEMMS)), "", dtype=object)
+        unconsumed = np.zeros(shape, dtype=np.int64)
+        for i, step in enumerate(self._observed):
+            for item in step.operands:
+                m, o, g = where[item.module], operand_index[item.operand], gemm_index[item.gemm]
+                if item.stats is not None:
+                    sums[i, m, o] += item.stats.sums.double().cpu().numpy()
+                formats[i, m, o] = _joined(formats[i, m, o], item.text)
+                scales[i, m, o] = _joined(scales[i, m, o], item.scale)
+                blocks[i, m, o] = _joined(blocks[i, m, o], item.block)
+                if item.operand.endswith(".a"):  # one GEMM, two operands
+                    gemms[i, m, g] += 1
+                    if item.fast_accumulation is not None:
+                        mode = "fast" if item.fast_accumulation else "precise"
+                        accumulation[i, m, g] = _joined(accumulation[i, m, g], mode)
+            for module, numel in step.unconsumed.items():
+                unconsumed[i, where[module]] = numel
+        return ObservedSteps(sums, formats, blocks, scales, gemms, accumulation, unconsumed)
 
     def _operand_counts(self, where: Mapping[str, int]) -> OperandCounts:
         counts = np.zeros((len(self.steps), len(where), len(GEMM_OPERANDS), 2), dtype=np.int64)
@@ -310,6 +381,21 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _joined(listed: str, text: str) -> str:
+    """`listed` ("a|b") with `text` added once: a module called twice in a step may quantize twice."""
+    parts = [part for part in listed.split("|") if part]
+    return "|".join(parts if text in parts else [*parts, text])
+
+
+def _module_filter(patterns: Any) -> Callable[[str], bool]:
+    """Whether a module name is selected by `modules=` (globs or compiled regexes; None: all)."""
+    if patterns is None:
+        return lambda name: True
+    listed = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns)
+    return lambda name: any(p.fullmatch(name) if isinstance(p, re.Pattern) else fnmatch.fnmatchcase(name, p)
+                            for p in listed)
 
 
 def _select_gemms(model: nn.Module, patterns: Any) -> dict[str, tuple[nn.Module, WeightReader]]:
@@ -386,8 +472,7 @@ class _AttentionCapture(TorchFunctionMode):
         return out
 
     def _record(self, attention: Tensor) -> None:
-        stack = self.recorder._stack
-        self.recorder._add_attention(self.into, stack[-1] if stack else "", attention)
+        self.recorder._add_attention(self.into, self.recorder._module_now(), attention)
 
 
 def _softmax_dim(args: tuple, kwargs: Mapping[str, Any]) -> Any:
@@ -396,14 +481,15 @@ def _softmax_dim(args: tuple, kwargs: Mapping[str, Any]) -> Any:
 
 @contextmanager
 def _outside_capture() -> Iterator[None]:
-    """Measure with the capture mode popped: the measuring code's own ops are not attention, and
-    torch.compile'd quantizers then see the same (empty) mode stack as on any other call, so they
-    are not compiled a second time."""
-    if not any(isinstance(mode, _AttentionCapture) for mode in _mode_stack()):
-        yield
-        return
-    with torch.overrides._pop_mode_temporarily():  # private, but the one way to step out of a mode
-        yield
+    """Measure with the capture modes popped: the measuring code's own ops are neither attention
+    nor the model's quantization, and torch.compile'd quantizers then see the same (empty) mode
+    stacks as on any other call, so they are not compiled a second time."""
+    with unobserved():
+        if not any(isinstance(mode, _AttentionCapture) for mode in _mode_stack()):
+            yield
+            return
+        with torch.overrides._pop_mode_temporarily():  # private, but the one way to step out of a mode
+            yield
 
 
 def _mode_stack() -> list[Any]:

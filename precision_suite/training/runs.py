@@ -14,7 +14,7 @@ import json
 import math
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -33,7 +33,8 @@ from precision_suite.training.imports import is_import_string, load_object
 from precision_suite.training.recorder import Recorder, instrument
 from precision_suite.training.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
 from precision_suite.numerics.quantization import compile_pays, compiling_if
-from precision_suite.training.recipes import RECIPE_EXAMPLES, Recipe, get_recipe, recipe_layers, set_recipe
+from precision_suite.training.recipes import (RECIPE_EXAMPLES, Recipe, get_recipe, own_quantization, recipe_layers,
+                                              set_recipe)
 
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side
@@ -43,6 +44,11 @@ TRAINING_DEFAULTS = {"vit": {"batch_size": 32, "lr": 3e-4}, "gpt": {"batch_size"
 USER_MODEL_DEFAULTS = {"batch_size": 8, "lr": 1e-3}  # a user's model (model = "package.module:factory")
 # what makes two runs of one case: the seed draws an ensemble member, threads and device the host
 NOT_CASE_IDENTITY = ("seed", "threads", "device")
+# how a case is judged, not what it trains: neither in its id nor compared with its baseline's spec
+JUDGING_FIELDS = ("expect",)
+# fields added after case ids and baselines were first written: in a spec's JSON and its case id
+# only when set, so the specs stored before they existed still read as the same case
+ADDED_FIELDS = ("expect", "replace_own_quantization")
 GRAD_CLIP_NORM = 1.0
 
 ProgressFn = Callable[[int, int, float], None]
@@ -77,11 +83,21 @@ class RunSpec:
     seq_len: Optional[int] = None  # GPT: sequence length; ViT: patches per image (4, 16 or 64)
     threads: int = 1  # torch CPU threads, pinned during the run
     batches: Optional[str] = None  # a user model's batches: "package.module:function"
+    # what the model's own code must quantize with: (module glob, recipe name) pairs, the first
+    # glob that matches a module deciding; "fp32" expects no quantization (verdicts.observed)
+    expect: tuple[tuple[str, str], ...] = ()
+    # a `recipe` replaces linear layers that quantize on their own (a torchao Float8Linear) only when set
+    replace_own_quantization: bool = False
 
     def __post_init__(self) -> None:
         # lists (from JSON or callers) become tuples so specs stay hashable and compare equal
         if isinstance(self.extra_formats, list):
             object.__setattr__(self, "extra_formats", tuple(self.extra_formats))
+        if isinstance(self.expect, Mapping):  # a TOML table: glob = "recipe"
+            object.__setattr__(self, "expect", tuple((str(k), v) for k, v in self.expect.items()))
+        elif isinstance(self.expect, list):  # JSON: [[glob, recipe], ...]
+            object.__setattr__(self, "expect", tuple(tuple(pair) if isinstance(pair, list) else pair
+                                                     for pair in self.expect))
 
     # -- derived values -------------------------------------------------------------------------
     @property
@@ -143,6 +159,9 @@ class RunSpec:
         resolve_device(self.device)  # 'cuda' without a CUDA device fails here, before any training
         get_attention(self.attention)  # unknown names list the known ones
         recipe = self._checked_recipe()
+        self._check_expect()
+        if not isinstance(self.replace_own_quantization, bool):
+            raise ValueError(f"replace_own_quantization must be true or false, got {self.replace_own_quantization!r}")
         schemes = self._checked_measurements()
         if self.user_model:
             load_object(self.model, "model")
@@ -171,6 +190,18 @@ class RunSpec:
             raise ValueError(f"recipe must be a name (fp32, {RECIPE_EXAMPLES}), got {self.recipe!r}")
         return self.training_recipe()
 
+    def _check_expect(self) -> None:
+        example = 'expect = { "blocks.*" = "fp8-hybrid", head = "fp32" }'
+        for pair in self.expect:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(v, str) for v in pair)):
+                raise ValueError(f"expect: each entry is a module glob and a recipe name, as in {example}; "
+                                 f"got {pair!r}")
+            if pair[1] != "fp32":
+                try:
+                    get_recipe(pair[1])
+                except ValueError as error:
+                    raise ValueError(f"expect: {pair[0]!r}: {error}") from None
+
     def _checked_measurements(self) -> list[Scheme]:
         if not isinstance(self.extra_formats, tuple) or not all(isinstance(n, str) for n in self.extra_formats):
             raise ValueError(f"extra_formats must be a tuple of scheme names ({SCHEME_EXAMPLES}), got {self.extra_formats!r}")
@@ -181,7 +212,13 @@ class RunSpec:
 
     # -- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return json.dumps(self.fields(), sort_keys=True)
+
+    def fields(self) -> dict[str, object]:
+        """Every field, but an ADDED_FIELDS one at its default (the spec's JSON object)."""
+        defaults = RunSpec.__dataclass_fields__
+        return {name: value for name, value in dataclasses.asdict(self).items()
+                if name not in ADDED_FIELDS or value != defaults[name].default}
 
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":
@@ -217,12 +254,15 @@ def case_id(spec: RunSpec) -> str:
     """'<model>-<attention>-<recipe>', filename-safe, e.g. 'gpt-x3-sqrtN-fp8-block', then a short
     hash of every other field that defines the case where one differs from the defaults (sizes,
     steps, extra formats, batches...): two specs that are different cases never share an id, nor
-    a baseline file. Seed, threads and device are not part of a case (NOT_CASE_IDENTITY)."""
-    readable = f"{safe_name(spec.model)}-{safe_name(spec.attention)}-{safe_name(spec.recipe)}"
-    defaults = RunSpec()
-    identity = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-                if f.name not in ("model", "attention", "recipe", *NOT_CASE_IDENTITY)}
-    if all(value == getattr(defaults, name) for name, value in identity.items()):
+    a baseline file. Seed, threads and device are not part of a case (NOT_CASE_IDENTITY). A user's
+    model trained without a recipe of the suite's computes as its own code does (which the run
+    observes: training/observation.py), so its recipe reads "own", not "fp32"."""
+    recipe = "own" if spec.user_model and spec.recipe == "fp32" else safe_name(spec.recipe)
+    readable = f"{safe_name(spec.model)}-{safe_name(spec.attention)}-{recipe}"
+    defaults = RunSpec().fields()
+    identity = {name: value for name, value in spec.fields().items()
+                if name not in ("model", "attention", "recipe", *NOT_CASE_IDENTITY, *JUDGING_FIELDS)}
+    if all(value == defaults.get(name) for name, value in identity.items()):
         return readable
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
     return f"{readable}-{digest}"
@@ -292,7 +332,15 @@ class Trainer:
         self.model = model.to(device)
         self.user_batches = load_object(spec.batches, "batches") if spec.user_model else None
         self.tokens_seen = 0
-        set_recipe(self.model, spec.training_recipe(), seed=spec.seed)
+        recipe = spec.training_recipe()
+        if recipe is not None and not spec.replace_own_quantization and (own := own_quantization(self.model)):
+            raise ValueError(_replacement_error(spec.recipe, own))
+        set_recipe(self.model, recipe, seed=spec.seed)
+        # the layers whose forward the recipe replaced: an observed cast there is the model's own
+        # quantization the recipe would silently replace (checked on the first sampled step)
+        names = {id(module): name for name, module in self.model.named_modules()}
+        self.replaced = {names[id(layer)] for layer in recipe_layers(self.model)} \
+            if recipe is not None and not spec.replace_own_quantization else set()
         self.recorder: Recorder = instrument(self.model, schemes=spec.measured_schemes())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
@@ -331,9 +379,15 @@ class Trainer:
             # estimate is low, so a large one may stay eager; PRECISION_SUITE_COMPILE=1 compiles it)
             tokens = targets.numel() if self.user_batches is not None else self.spec.tokens_per_step()
             self.compiles = compile_pays(self.quantized_elements(tokens))
-        with compiling_if(self.compiles), self.recorder.step(index, sample=sample):
+        with compiling_if(self.compiles), self.recorder.step(index, sample=sample) as sampled:
             logits, loss = self._forward(inputs, targets)
             loss.backward()
+        if sampled and self.replaced:
+            own = sorted(self.replaced & self.recorder.observed_modules())
+            if own:
+                raise ValueError(_replacement_error(self.spec.recipe, [f"{name} casts to 8-bit floats itself"
+                                                                       for name in own]))
+            self.replaced = set()  # checked once
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -351,6 +405,13 @@ class Trainer:
         """(logits with one row per target, cross-entropy loss)."""
         logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
         return logits, F.cross_entropy(logits, targets)
+
+
+def _replacement_error(recipe: str, own: list[str]) -> str:
+    more = f" (and {len(own) - 1} more)" if len(own) > 1 else ""
+    return (f"recipe {recipe!r} would replace the quantization the model's own code does: {own[0]}{more}; "
+            "drop `recipe` to measure the model's own numerics, or set replace_own_quantization = true "
+            "to train with the suite's recipe in their place")
 
 
 def _accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:

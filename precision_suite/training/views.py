@@ -17,13 +17,29 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
-from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS
+from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
+from precision_suite.training.observation import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
+from precision_suite.training.recipes import GEMM_OPERANDS
 
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")
 OPERAND_VARIABLES = ("operand_mismatch", "operand_numel")  # per module already: the module view keeps them
+OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "observed_gemms", "observed_accumulation",
+                      "observed_unconsumed")
+
+
+class ObservedSteps(NamedTuple):
+    """What the model's own quantization did (training/observation.py), over (step, module, ...)."""
+
+    sums: np.ndarray  # (step, module, operand, sum_field) float64: sums of the observed quantizations
+    formats: np.ndarray  # (step, module, operand) str: "<fmt>:<granularity>", "" where none was seen
+    blocks: np.ndarray  # (step, module, operand) str: the block one scale covers, "RxC" or "tensor"
+    scales: np.ndarray  # (step, module, operand) str: the scale's kind
+    gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
+    accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)
+    unconsumed: np.ndarray  # (step, module) int64: elements cast to 8 bits that no observed GEMM took
 
 
 class OperandCounts(NamedTuple):
@@ -47,13 +63,14 @@ def layer_index(name: str) -> int:
 def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[str], sums: np.ndarray,
                 attention_modules: Sequence[str], attention_norms: np.ndarray,
                 first_labels: Sequence[str], case: str, attrs: Mapping[str, Any],
-                operands: OperandCounts | None = None) -> xr.Dataset:
+                operands: OperandCounts | None = None, observed: ObservedSteps | None = None) -> xr.Dataset:
     """The schema-3 dataset (docs/architecture.md).
 
     sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
     attention_norms: (step, attention module), NaN where nothing was recorded.
     first_labels: per tensor role, the layout label of the first scheme (its NaN/Inf count).
     operands: the consumed operands' counts (docs/runs.md), when recorded.
+    observed: the model's own quantization, when any was observed (docs/runs.md).
     """
     module_layer = np.array([layer_index(m) for m in modules], dtype=np.int64)
     attention_layer = np.array([layer_index(m) for m in attention_modules], dtype=np.int64)
@@ -89,11 +106,18 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         coords["operand"] = np.array(operands.operands, dtype=object)
         coords["operand_declared"] = ("operand", np.array(operands.declared, dtype=object), {
             "description": "the recipe's declared format:layout[:stochastic] of each operand, or fp32"})
+    if observed is not None:
+        data_vars.update(_observed_vars(observed))
+        coords["gemm"] = np.array(GEMMS, dtype=object)
+        coords.setdefault("operand", np.array(GEMM_OPERANDS, dtype=object))
     layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
     if layers:
         coords["layer"] = np.array(layers, dtype=np.int64)
         layer_sums = np.stack([sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
         data_vars.update(_metric_vars(layer_sums, "layer", first_labels, labels))
+        if observed is not None:
+            observed_sums = np.stack([observed.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
+            data_vars.update(_observed_metric_vars(observed_sums, "layer"))
         if len(attention_modules):
             norms = np.stack([_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1)
             data_vars["attention_norm"] = (("step", "layer"), norms, METRICS["attention_norm"].attrs())
@@ -119,9 +143,13 @@ def module_view(ds: xr.Dataset) -> xr.Dataset:
             "attention_module_layer", errors="ignore")
         view = xr.merge([view, norms.to_dataset(name="attention_norm")], join="outer",
                         combine_attrs="override")
-    present = [name for name in OPERAND_VARIABLES if name in ds]
+    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES) if name in ds]
     if present:
         view = view.assign({name: ds[name].drop_vars("module_layer") for name in present})
+    if "observed_sums" in ds:
+        sums = ds["observed_sums"].transpose("step", "module", "operand", "sum_field").values
+        view = view.assign({name: (dims, values, attrs) for name, (dims, values, attrs)
+                            in _observed_metric_vars(sums, "module").items()})
     if "tokens" in ds.coords:
         view = view.assign_coords(tokens=("step", ds["tokens"].values))
     return view
@@ -141,6 +169,51 @@ def _metric_vars(sums: np.ndarray, where: str, first_labels: Sequence[str],
         "numel": ((where, "tensor"), first_sums[0, ..., _NUMEL].astype(np.int64),
                   {"long_name": "elements counted", "units": "1",
                    "description": f"elements pooled into each {where}'s fractions per step"}),
+    }
+
+
+def _observed_vars(observed: ObservedSteps) -> dict[str, Any]:
+    """The per-module variables of the observed quantization (the recipe, GEMM counts, sums)."""
+    per_operand, per_gemm = ("step", "module", "operand"), ("step", "module", "gemm")
+    return {
+        "observed_sums": ((*per_operand, "sum_field"), observed.sums, {
+            "long_name": "additive sums of the observed quantization per module", "units": "1",
+            "description": "sum_field sums of each GEMM operand the model's own code quantized, against "
+                           "the high-precision tensor it came from (0 where none was observed)"}),
+        "observed_format": (per_operand, observed.formats, {
+            "long_name": "observed operand format", "units": "1",
+            "description": "<element format>:<scale granularity> of each operand the module's scaled "
+                           "GEMMs consumed, in recipe vocabulary (tensor, row, column, RxC blocks); "
+                           "several joined by |; empty where none was observed"}),
+        "observed_block": (per_operand, observed.blocks, {
+            "long_name": "observed scaling block", "units": "1",
+            "description": "rows x columns one scale of the operand covers (x as tokens x in, W as out x in, "
+                           "dy as tokens x out), or tensor"}),
+        "observed_scale": (per_operand, observed.scales, {
+            "long_name": "observed scale kind", "units": "1",
+            "description": "dtype of each operand's scale, with pow2 when every scale is a power of two"}),
+        "observed_gemms": (per_gemm, observed.gemms, {
+            "long_name": "observed scaled GEMMs", "units": "1",
+            "description": "scaled GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step"}),
+        "observed_accumulation": (per_gemm, observed.accumulation, {
+            "long_name": "observed GEMM accumulation flag", "units": "1",
+            "description": "fast (use_fast_accum) or precise, as the GEMM call said; empty where it did not"}),
+        "observed_unconsumed": (("step", "module"), observed.unconsumed, {
+            "long_name": "elements cast to 8 bits that no observed GEMM consumed", "units": "1",
+            "description": "casts whose GEMM the suite could not see (a kernel inside a compiled graph or an "
+                           "extension), or that fed no GEMM"}),
+    }
+
+
+def _observed_metric_vars(sums: np.ndarray, where: str) -> dict[str, Any]:
+    """observed_<metric> over (step, <where>, operand) from observed sums of that shape."""
+    metrics = metrics_from_sums(sums)
+    dims = ("step", where, "operand")
+    return {
+        **{observed_name(name): (dims, metrics[name], METRICS[observed_name(name)].attrs()) for name in QUANT_METRICS},
+        "observed_numel": (dims, sums[..., _NUMEL].astype(np.int64), {
+            "long_name": "elements of the observed quantizations", "units": "1",
+            "description": f"elements pooled into each {where}'s observed fractions"}),
     }
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
-from precision_suite.numerics.metric_table import METRICS
+from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.verdicts.ensemble import (EnsembleError, case_mean_z, check_ensemble, first_step_count_noise,
                                               first_step_tolerance, leave_one_out, make_ensemble, mean_z_spread)
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
@@ -107,6 +107,9 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "loss": _declared("loss", "relative", 0.02, floor=1e-12, trained=0.4),
     "nonfinite": _declared("nonfinite", "absolute", 0.0),
 }
+# the model's own quantization (observed_<metric>) is compared as the probes' same metric is
+DEFAULT_TOLERANCES.update({observed_name(metric): DEFAULT_TOLERANCES[metric] for metric in QUANT_METRICS
+                           if metric in DEFAULT_TOLERANCES})
 
 ToleranceOverride = Tolerance | float | int | Mapping[str, Any] | None
 ToleranceOverrides = Mapping[str, ToleranceOverride]

@@ -443,11 +443,15 @@ def check_operands(ds: xr.Dataset, case: str | None = None) -> list[Finding]:
         of = f" of {int(numel[m, o, first]):,}" if numel is not None else ""
         later = int(np.count_nonzero(values[m, o, first + 1:]))
         also = f" (and at {later} later sampled step{'s' if later > 1 else ''})" if later else ""
+        observed = str(ds["observed_format"].sel(step=steps[first], module=module, operand=operand).values) \
+            if "observed_format" in ds.data_vars else ""
+        unlike = (f"round-to-nearest of their high-precision source at the GEMM's own scale cannot give "
+                  f"(observed {observed}, the model's own quantization)") if observed else _unlike(declared[o])
         findings.append(Finding(
             case, "regression", "operand_mismatch", {"module": module, "operand": operand, "step": steps[first]},
             float(count), 0.0, 0.0,
             f"{case}: operand {operand} of {module} consumed {count:,}{of} elements that "
-            f"{_unlike(declared[o])} at step {steps[first]}{also}: a stale or wrongly quantized operand"))
+            f"{unlike} at step {steps[first]}{also}: a stale or wrongly quantized operand"))
     return findings
 
 

@@ -222,10 +222,11 @@ def numel_like(ds: xr.Dataset, da: xr.DataArray, metric: str | None = None) -> n
     """Elements counted behind each cell of a fraction metric (`metric`, default `da`'s name),
     broadcast to `da` (None: not a count)."""
     metric = str(da.name) if metric is None else metric
-    if "numel" not in ds.data_vars or SPACES.get(metric, SPACES["loss"]).kind != "log_count" \
+    counted_by = METRICS[metric].counted_by if metric in METRICS else "numel"
+    if counted_by not in ds.data_vars or SPACES.get(metric, SPACES["loss"]).kind != "log_count" \
             or metric == "nonfinite":
         return None
-    numel = ds["numel"]
+    numel = ds[counted_by]
     if "seed" in numel.dims:
         numel = numel.isel(seed=0, drop=True)
     return numel.broadcast_like(da).transpose(*da.dims).values.astype(np.float64)

@@ -21,7 +21,7 @@ import xarray as xr
 
 from precision_suite.files import save_dataset
 from precision_suite.training.matrix import KnownViolation
-from precision_suite.verdicts import baselines, checks, ensemble, replays
+from precision_suite.verdicts import baselines, checks, ensemble, observed, replays
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
 
 
@@ -50,6 +50,9 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
                                     message=f"{case}: a stored replay exists but the replay was not run"))
         else:
             findings += replays.compare_replay(replay, stored_replay, regen_hint)
+    if reference is not None:
+        findings += observed.check_observed_recipe(current, reference, regen_hint)
+    findings += observed.check_expected(current)
     findings += checks.check_operands(current, case)
     if replay is not None:
         findings += [replays.mark_replayed(f, int(replay.attrs["replayed_from"])) for f in checks.check_operands(replay, case)]
