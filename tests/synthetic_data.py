@@ -17,6 +17,7 @@ import xarray as xr
 from precision_suite.files import SCHEMA_VERSION
 
 TENSORS = ("activation", "gradient", "gradient_transpose", "weight")
+OPERANDS = ("fprop.a", "fprop.b", "dgrad.a", "dgrad.b", "wgrad.a", "wgrad.b")
 LAYOUTS = ("1x128", "128x1", "128x128")
 
 # which (tensor, layout) pairs a run measures; every other pair is NaN, as the schema says
@@ -38,8 +39,10 @@ def case_name(spec: dict) -> str:
 
 def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str = "fp32",
                      depth: int = 6, steps: int = 40, sample_every: int = 10,
-                     tokens_per_step: int = 512, seed: int = 0, growth: float = 1.0) -> xr.Dataset:
-    """A dataset with the schema of `runs.run(spec)`; `growth` scales the attention-norm growth."""
+                     tokens_per_step: int = 512, seed: int = 0, growth: float = 1.0,
+                     observed: bool = False) -> xr.Dataset:
+    """A dataset with the schema of `runs.run(spec)`; `growth` scales the attention-norm growth;
+    `observed` adds the metrics of a model's own quantization per GEMM operand."""
     spec = spec_dict(model, attention, recipe, steps, 8, seed, sample_every)
     rng = np.random.default_rng(seed)
     sampled = np.unique(np.r_[np.arange(0, steps, sample_every), steps - 1]).astype(np.int64)
@@ -74,13 +77,24 @@ def make_run_dataset(model: str = "vit", attention: str = "softmax", recipe: str
     data_vars["nonfinite"] = (("step", "layer", "tensor"),
                               np.zeros((sampled.size, depth, len(TENSORS)), dtype=np.int64))
     data_vars["numel"] = (("layer", "tensor"), np.full((depth, len(TENSORS)), 100_000, dtype=np.int64))
+    coords = {"step": sampled, "tokens": ("step", (sampled + 1) * tokens_per_step),
+              "layer": layer, "tensor": list(TENSORS), "layout": list(LAYOUTS), "train_step": train_step}
+    if observed:  # E4M3 forward, E5M2 gradients: the gradients' operands underflow more
+        gradient = np.array([operand.split(".")[1] == "a" and not operand.startswith("fprop") for operand in OPERANDS])
+        shape3 = (sampled.size, depth, len(OPERANDS))
+        underflow3 = np.where(gradient, 1e-3, 1e-4) * (1.0 + rng.random(shape3))
+        observed_metrics = {"underflow": underflow3, "zeros_after": 2.0 * underflow3, "overflow": np.zeros(shape3),
+                            "distortion": 1.0 - np.where(gradient, 1e-3, 3e-4) * (1.0 + rng.random(shape3)),
+                            "sqnr_db": 25.0 + 3.0 * rng.random(shape3), "mse": 1e-6 * (1.0 + rng.random(shape3))}
+        dims3 = ("step", "layer", "operand")
+        data_vars.update({f"observed_{name}": (dims3, values) for name, values in observed_metrics.items()})
+        data_vars["observed_numel"] = (dims3, np.full(shape3, 50_000, dtype=np.int64))
+        coords["operand"] = list(OPERANDS)
     data_vars["loss"] = (("train_step",), 2.5 * np.exp(-train_step / steps) + 0.01 * rng.random(steps))
     data_vars["accuracy"] = (("train_step",), 1.0 - np.exp(-train_step / steps))
     return xr.Dataset(
         data_vars,
-        coords={"step": sampled, "tokens": ("step", (sampled + 1) * tokens_per_step),
-                "layer": layer, "tensor": list(TENSORS), "layout": list(LAYOUTS),
-                "train_step": train_step},
+        coords=coords,
         attrs={"schema_version": SCHEMA_VERSION, "case": case_name(spec), "spec": json.dumps(spec),
                "fingerprint": json.dumps({"torch": "synthetic", "device": "cpu", "threads": 1}),
                "package_version": "0.1.0"},

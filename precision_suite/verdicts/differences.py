@@ -28,8 +28,8 @@ class Difference:
     metric: str
     step: int | None
     where: dict[str, Any] = field(default_factory=dict)
-    base: float = math.nan
-    head: float = math.nan
+    base: float | str = math.nan  # a text for a variable of words (the observed recipe)
+    head: float | str = math.nan
     cells: int = 0
     note: str = ""
 
@@ -38,8 +38,10 @@ class Difference:
         if self.note:
             return f"{self.metric}: {self.note}"
         where = f" at {format_where(self.where)}" if self.where else ""
-        return (f"{self.metric}{where}: {self.base:.4g} -> {self.head:.4g} ({_size(self.base, self.head)}; "
-                f"{self.cells} value{'s differ' if self.cells != 1 else ' differs'})")
+        values = f"{self.cells} value{'s differ' if self.cells != 1 else ' differs'}"
+        if isinstance(self.base, str) or isinstance(self.head, str):
+            return f"{self.metric}{where}: {self.base or 'none'!s} -> {self.head or 'none'!s} ({values})"
+        return f"{self.metric}{where}: {self.base:.4g} -> {self.head:.4g} ({_size(self.base, self.head)}; {values})"
 
     def when(self) -> str:
         """'from step 2' ('' without a step)."""
@@ -66,9 +68,10 @@ def first_differences(base: xr.Dataset, head: xr.Dataset) -> list[Difference]:
 def _first_difference(name: str, base: xr.DataArray, head: xr.DataArray) -> Difference | None:
     if base.dims != head.dims or any(not base[d].equals(head[d]) for d in head.dims if d in head.coords):
         return None if base.equals(head) else Difference(name, None, note="dimensions or coordinates differ")
-    b = np.asarray(base.values, dtype=np.float64)
-    h = np.asarray(head.transpose(*base.dims).values, dtype=np.float64)
-    differs = ~((b == h) | (np.isnan(b) & np.isnan(h)))
+    words = base.dtype.kind in "OUS"
+    b = np.asarray(base.values, dtype=object if words else np.float64)
+    h = np.asarray(head.transpose(*base.dims).values, dtype=object if words else np.float64)
+    differs = (b != h) if words else ~((b == h) | (np.isnan(b) & np.isnan(h)))
     if not differs.any():
         return None
     time = next((d for d in base.dims if d in TIME_DIMS), None)
@@ -83,11 +86,15 @@ def _first_difference(name: str, base: xr.DataArray, head: xr.DataArray) -> Diff
 
 def _at(name: str, base: xr.DataArray, b: np.ndarray, h: np.ndarray, differs: np.ndarray,
         step: int | None) -> Difference:
-    with np.errstate(invalid="ignore"):
-        size = np.where(differs, np.nan_to_num(np.abs(h - b), nan=np.inf), -1.0)
+    if b.dtype == object:  # words: the first that differs
+        size = differs.astype(np.float64)
+    else:
+        with np.errstate(invalid="ignore"):
+            size = np.where(differs, np.nan_to_num(np.abs(h - b), nan=np.inf), -1.0)
     index = np.unravel_index(int(np.argmax(size)), size.shape) if size.ndim else ()
     where = {d: to_python(base[d].values[i]) for d, i in zip(base.dims, index) if d in base.coords}
-    return Difference(name, step, where, float(b[index]), float(h[index]), int(differs.sum()))
+    value = str if b.dtype == object else float
+    return Difference(name, step, where, value(b[index]), value(h[index]), int(differs.sum()))
 
 
 def _size(base: float, head: float) -> str:
