@@ -55,7 +55,7 @@ quick: $(BIN)/.installed
 # Ratios against their goals (printed at the end of the pytest run), then the warm-up tax of a
 # fresh process per format and of a small run per recipe (benchmarks/warmup.py).
 bench: $(BIN)/.installed
-	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py --benchmark-enable -p no:xdist
+	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py tests/test_bench_observation.py --benchmark-enable -p no:xdist
 	$(BIN)/python benchmarks/warmup.py --small-runs
 
 # The prepared check of the CUDA path (issue 25). It uses the current python, never the venv: on
