@@ -193,3 +193,14 @@ def test_layout_strings_and_defaults():
     assert parse_layout(None, "e4m3") == (1, 128)
     assert [layout_label("e4m3", (1, 128)), layout_label("e4m3", (128, 1)), layout_label("mxfp8", (32, 1)),
             layout_label("e5m2", "tensor")] == ["1x128", "128x1", "mxfp8", "e5m2:tensor"]
+
+
+@SETTINGS
+@given(x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=100, max_rank=2)), fmt=st.sampled_from(["e4m3", "e5m2"]))
+def test_row_and_column_layouts_are_blocks_spanning_the_whole_axis(x, fmt):
+    """"row" is one scale per row: the block (1, columns) of this tensor; "column" is (rows, 1)."""
+    rows, cols = as_2d(x).shape
+    for word, block in (("row", (1, cols)), ("column", (rows, 1))):
+        q, by_block = quantize(x, fmt, word), quantize(x, fmt, block)
+        assert torch.equal(q.dequantized.view(torch.int32), by_block.dequantized.view(torch.int32))
+        assert torch.equal(q.scales, by_block.scales)
