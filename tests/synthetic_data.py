@@ -130,7 +130,6 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
 
     from precision_suite.files import load_dataset
     from precision_suite.jobs.history import encode_record, host_of, record_path, store_schema, write_record
-    from precision_suite.verdicts import ensemble as ens
     from precision_suite.verdicts import history
 
     store_schema(store, create=True)
@@ -152,7 +151,7 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
                     name = f"trained_{metric}"
                     if f"{name}_noise" in record:
                         record[name] = _redrawn(metric, record[name], record[f"{name}_noise"],
-                                                record.get("numel"), rng, ens)
+                                                record.get("numel"), rng)
                     if f"replay_{metric}_delta" in record:
                         noise = record[f"replay_{metric}_noise"]
                         delta = first[f"replay_{metric}_delta"]  # NaN where the replay measures nothing
@@ -173,14 +172,15 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     return shas
 
 
-def _redrawn(metric, values, noise, numel, rng, ens):
-    """`values` moved by a normal draw of `noise` in the detection space (verdicts/history.py)."""
-    from precision_suite.verdicts import history
+def _redrawn(metric, values, noise, numel, rng):
+    """`values` moved by a normal draw of `noise` in the detection space (`Space.detection`)."""
+    from precision_suite.numerics.metric_table import SPACES
 
-    n = None if numel is None or not history.is_count(metric) else numel.broadcast_like(values).values
-    y = history.detection_space(metric, values.values, n) + noise.values * rng.standard_normal(values.shape)
-    if history.is_count(metric):  # the inverse of 2 sqrt(count + 3/8)
+    space = SPACES[metric]
+    n = None if numel is None or not space.is_count else numel.broadcast_like(values).values
+    y = space.detection(values.values, n) + noise.values * rng.standard_normal(values.shape)
+    if space.is_count:  # the inverse of 2 sqrt(count + 3/8)
         moved = np.maximum((y / 2.0) ** 2 - 0.375, 0.0) / (1.0 if n is None else n)
     else:
-        moved = ens.inverse(metric, y)
+        moved = space.inverse(y)
     return values.copy(data=np.where(np.isfinite(moved), moved, values.values))

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import cli
+from precision_suite.numerics.metric_table import POISSON_SPREAD, SPACES
 from precision_suite.verdicts import history
 from synthetic_data import history_store
 from test_diff import git, make_toy_repo
@@ -253,8 +254,8 @@ def test_counts_have_unit_spread_in_the_detection_space_at_any_level(level):
     """Anscombe: 2 sqrt(c + 3/8) of Poisson counts has spread 1 (within 5% from 5 counts up),
     which is what lets one noise floor serve a count at 5 and at 1e5."""
     counts = np.random.default_rng(0).poisson(level, 20_000)
-    spread = history.detection_space("underflow", counts / 1e6, np.full(counts.shape, 1e6)).std()
-    assert abs(spread - history.POISSON_SPREAD) < 0.05 + 4 / np.sqrt(2 * counts.size)
+    spread = SPACES["underflow"].detection(counts / 1e6, np.full(counts.shape, 1e6)).std()
+    assert abs(spread - POISSON_SPREAD) < 0.05 + 4 / np.sqrt(2 * counts.size)
 
 
 def test_unchanged_commits_are_one_epoch():

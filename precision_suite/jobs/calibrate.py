@@ -22,6 +22,7 @@ from precision_suite.jobs.execution import Task
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.train import describe, placement, run_tasks
 from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
+from precision_suite.numerics.metric_table import SPACES
 from precision_suite.reports import reports
 from precision_suite.training.replays import replay_spec
 from precision_suite.training.runs import case_id
@@ -84,7 +85,7 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
             _tabulate(table, verdicts, case, label, outcome)
     detectable = {case_id(spec): ensemble.detectable_change(ds, references[case_id(spec)])
                   for spec, ds in zip(specs, results[::len(perturbations)])}
-    alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in ensemble.SPACES}
+    alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in SPACES}
     failing = [row for row in table if row["status"] in ("fail", "error", "drift")]
     measured = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "fingerprint": _host_fingerprint(results[0]) if results else {},
@@ -123,4 +124,4 @@ def _tabulate(table: list[dict[str, Any]], verdicts: list[CaseVerdict], case: st
     alarms = [f for f in outcome.findings if f.kind in ("regression", "drift")]
     verdicts.append(outcome)
     table.append({"case": case, "perturbation": label, "status": outcome.status,
-                  "false_alarms": {m: sum(f.metric == m for f in alarms) for m in ensemble.SPACES}})
+                  "false_alarms": {m: sum(f.metric == m for f in alarms) for m in SPACES}})

@@ -419,8 +419,7 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
 
 def _is_count(metric: str) -> bool:
     """Fractions of counted elements (underflow, zeros_after, overflow) and counts (nonfinite)."""
-    space = METRICS[metric].space if metric in METRICS else None
-    return space is not None and space.kind == "log_count"
+    return metric in METRICS and METRICS[metric].is_count
 
 
 def _is_fraction(metric: str) -> bool:

@@ -57,7 +57,7 @@ from scipy.stats import t as student_t
 
 from precision_suite.verdicts.calibration import DESIGN_FALSE_ALARM_RATE
 from precision_suite.verdicts.findings import Finding, TIME_DIMS, format_where, to_python
-from precision_suite.numerics.metric_table import COMPARED, METRICS, Space
+from precision_suite.numerics.metric_table import METRICS, SPACES, Space
 
 # Four seeds: each costs a full training run per case on regeneration, and the pooled spread
 # (below) supplies the degrees of freedom that four seeds alone do not.
@@ -75,56 +75,8 @@ MEAN_Z_HELD_OUT_SEEDS = (4, 5)
 DETECTABLE_MIN_COUNT = 10  # detectable_change reports count series from this many elements up
 
 
-# The compared metrics and their spaces, from the one metric table (docs/baselines.md: reasons).
-SPACES: dict[str, Space] = {name: m.space for name, m in COMPARED.items()}
-
-
-def bad_sign(metric: str) -> float:
-    """+1 where a rise of y = transform(value) is a regression, -1 where a fall is. ln(1 - cos)
-    rises as the cosine falls."""
-    sign = 1.0 if METRICS[metric].bad == "up" else -1.0
-    return -sign if SPACES[metric].kind == "log_one_minus" else sign
-
-
 class EnsembleError(ValueError):
     """A baseline that is not a usable seed ensemble."""
-
-
-def transform(metric: str, values: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
-    """Values in the metric's comparison space (non-finite where the value is not comparable)."""
-    kind = SPACES[metric].kind
-    v = np.asarray(values, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if kind == "log":
-            y = np.log(v)
-        elif kind == "log_count":  # ln(count + 1/2): Poisson-like noise 1/sqrt(count) in y
-            y = np.log(v * (1.0 if numel is None else numel) + 0.5)
-        elif kind == "log_one_minus":  # 1 - cos: the relative error energy
-            y = np.log(np.maximum(1.0 - v, 1e-15))
-        else:
-            y = v
-    return np.where(np.isnan(v), np.nan, y)
-
-
-def inverse(metric: str, y: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
-    kind = SPACES[metric].kind
-    with np.errstate(over="ignore", invalid="ignore"):
-        if kind == "log":
-            return np.exp(y)
-        if kind == "log_count":
-            return (np.exp(y) - 0.5) / (1.0 if numel is None else numel)
-        if kind == "log_one_minus":
-            return 1.0 - np.exp(y)
-        return y
-
-
-def _floor_var(metric: str, mean_y: np.ndarray) -> np.ndarray:
-    space = SPACES[metric]
-    floor = np.full_like(mean_y, space.min_spread**2)
-    if space.kind == "log_count":
-        with np.errstate(over="ignore", invalid="ignore"):
-            floor = floor + np.exp(-mean_y)  # var ln(c + 1/2) ~ 1/(c + 1/2)
-    return floor
 
 
 def z_threshold(n_statistics: int, rate: float = FALSE_ALARM_RATE) -> float:
@@ -164,10 +116,10 @@ def first_step_tolerance(references: Sequence[xr.Dataset], twins: Sequence[xr.Da
     """Per metric that is not a count, FIRST_STEP_SAFETY x the largest difference (in the metric's
     space) between a run and its rounding twin (same seed) at the points they share (a baseline's
     first point; every point of a replay), floored by the metric's `first_step_floor`."""
-    largest = {metric: 0.0 for metric in SPACES if SPACES[metric].kind != "log_count"}
+    largest = {metric: 0.0 for metric, space in SPACES.items() if not space.is_count}
     for reference, twin, metric in _twin_pairs(references, twins, list(largest)):
         a, b = _shared_points(reference, twin, metric)
-        d = np.abs(transform(metric, a.values) - transform(metric, b.values))
+        d = np.abs(SPACES[metric].transform(a.values) - SPACES[metric].transform(b.values))
         d = d[np.isfinite(d)]
         if d.size:
             largest[metric] = max(largest[metric], float(d.max()))
@@ -179,7 +131,7 @@ def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.
     """Per count metric, the largest `|count_twin - count| / sqrt(count + 1)` at the points a run
     and its rounding twin share, over every series and twin: the `k` of the count model (module
     docstring)."""
-    counts = [metric for metric in SPACES if SPACES[metric].kind == "log_count"]
+    counts = [metric for metric, space in SPACES.items() if space.is_count]
     largest = {metric: 0.0 for metric in counts}
     for reference, twin, metric in _twin_pairs(references, twins, counts):
         a, b = _shared_points(reference, twin, metric)
@@ -222,7 +174,7 @@ def numel_like(ds: xr.Dataset, da: xr.DataArray, metric: str | None = None) -> n
     """Elements counted behind each cell of a fraction metric (`metric`, default `da`'s name),
     broadcast to `da` (None: not a count)."""
     metric = str(da.name) if metric is None else metric
-    if "numel" not in ds.data_vars or SPACES.get(metric, SPACES["loss"]).kind != "log_count" \
+    if "numel" not in ds.data_vars or metric not in SPACES or not SPACES[metric].is_count \
             or metric == "nonfinite":
         return None
     numel = ds["numel"]
@@ -308,7 +260,7 @@ def _series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> _Series |
         key = tuple((d, v) for d, v in where.items() if d != "layer")
         pool[g] = pool_keys.setdefault(key, len(pool_keys))
     return _Series(metric, groups, [to_python(t) for t in cur[along].values], along,
-                   transform(metric, e, numel), transform(metric, c, numel), c, e, pool, numel)
+                   SPACES[metric].transform(e, numel), SPACES[metric].transform(c, numel), c, e, pool, numel)
 
 
 def _n_statistics(series: Sequence[_Series]) -> int:
@@ -341,7 +293,7 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     for s in case_series:
         findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
                                   len(seeds), regen_hint)
-        if member is not None and SPACES[s.metric].kind == "log_count" and s.ens_y.shape[2] > 0:
+        if member is not None and SPACES[s.metric].is_count and s.ens_y.shape[2] > 0:
             if (together := counts_moved_together(case, s, member, 0, float(tol0.get(s.metric, 0.0)), "first point",
                                                   f"seed {seed} of the baseline", regen_hint, seed)) is not None:
                 findings.append(together)
@@ -357,7 +309,7 @@ def series_median_z(s: _Series) -> np.ndarray:
     """Per series (G,), the median z of its trained points (after the first), bad direction
     positive; NaN for a series without any."""
     mean, sd = spread(s, 1)
-    z = bad_sign(s.metric) * (s.cur_y - mean) / sd
+    z = METRICS[s.metric].bad_sign * (s.cur_y - mean) / sd
     z[:, :1] = np.nan
     z[~np.isfinite(z)] = np.nan
     with warnings.catch_warnings():
@@ -429,7 +381,7 @@ def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
         mean = np.nanmean(ens, axis=0)
         var = np.nanvar(ens, axis=0, ddof=1)
     var = np.where(finite.sum(axis=0) >= 2, var, np.nan)
-    floor = _floor_var(s.metric, mean)
+    floor = SPACES[s.metric].floor_variance(mean)
     # pooled: the mean over the pool's trained points of the seeds' own variance beyond the count
     # noise, so that series counting a few elements (Poisson variance ~1/count in y) do not widen
     # the band of well-counted ones. A mean, not a robust median: layers of one pool differ in
@@ -447,7 +399,7 @@ def spread(s: _Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _judge_series(case: str, s: _Series, member: int | None, seed: Any, tol0: float, z_crit: float,
                   k: int, regen_hint: str) -> list[Finding]:
-    sign = bad_sign(s.metric)
+    sign = METRICS[s.metric].bad_sign
     first_trained = 1 if member is not None else 0
     mean, sd = spread(s, 1)
     findings: list[Finding] = []
@@ -504,7 +456,7 @@ def point_finding(case: str, s: _Series, g: int, where: Mapping[str, Any], membe
     if np.isfinite(ref_v) and not np.isfinite(cur_v):
         return _finding(case, "regression", s, where, t, g, math.inf, tol0,
                         f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed)
-    if space.kind == "log_count":
+    if space.is_count:
         ref, cur = ref_v * numel, cur_v * numel
         allowed = float(count_allowance(tol0, ref))
         if not (np.isfinite(ref) and np.isfinite(cur)) or abs(cur - ref) <= allowed:
@@ -554,7 +506,7 @@ def _y_change(space: Space, d: float, signed: bool = True) -> str:
     fmt = "+.3g" if signed else ".3g"
     if space.kind == "db":
         return f"{d:{fmt}} dB"
-    if space.kind == "log_count":
+    if space.is_count:
         return f"count x{math.exp(d):.3g}" if signed else f"count factor {math.exp(d):.3g}"
     return f"x{math.exp(d):.4g}" if signed else f"factor {math.exp(d):.4g}"
 
@@ -590,7 +542,8 @@ def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
     mean, sd = spread(s, 1)
     numel = numel_like(current, current[metric])
     n = None if numel is None else numel.reshape(len(s.groups), -1)[g]
-    low, high = inverse(metric, mean[g] - z * sd[g], n), inverse(metric, mean[g] + z * sd[g], n)
+    space = SPACES[metric]
+    low, high = space.inverse(mean[g] - z * sd[g], n), space.inverse(mean[g] + z * sd[g], n)
     return np.fmin(low, high), np.fmax(low, high)
 
 
@@ -610,14 +563,14 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
         trained, counted = (sd[:, 1:], mean[:, 1:]) if sd.shape[1] > 1 else (sd, mean)
         space = SPACES[s.metric]
         where = ""
-        if space.kind == "log_count":
+        if space.is_count:
             trained = np.where(counted >= math.log(DETECTABLE_MIN_COUNT + 0.5), trained, np.nan)
             where = f" (series counting >= {DETECTABLE_MIN_COUNT} elements)"
         if np.isfinite(trained).any():
             text = f"{_y_change(space, z * float(np.nanmedian(trained)), signed=False)}{where}"
         else:
             text = f"no series counts {DETECTABLE_MIN_COUNT} elements"
-        if space.kind == "log_count":
+        if space.is_count:
             k = float(count_noise.get(s.metric, 0.0))
             first = (f"±max({FIRST_STEP_FLIPS:g}, {FIRST_STEP_SAFETY * k:.3g} x sqrt(count + 1)) elements "
                      f"(1 element: ±{float(count_allowance(k, 1.0)):.3g}; 10^4: ±{float(count_allowance(k, 1e4)):.3g})")

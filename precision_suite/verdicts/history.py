@@ -26,11 +26,9 @@ The noise levels come from the seeds and twins measured at regeneration (issue 1
 metric table's smallest meaningful spread (`Space.min_spread`; Poisson's 1 for counts). A case
 without a baseline (a user's model with none) records no noise: its series are drawn, not searched.
 
-**Detection space.** Each metric is compared in the space its comparison uses (`ensemble.transform`:
-log of the norm and loss, log of 1 - cos), except counts: a count that steps from zero is the
-commonest regression (a block scale that flushes a tile), and ln(count + 1/2) makes the Poisson
-noise at zero look as large as a tenfold change. Counts use Anscombe's variance-stabilising
-transform 2 sqrt(count + 3/8) instead, where Poisson noise has spread 1 at every level.
+**Detection space.** Each metric is compared in its space's `detection` transform: the space its
+comparison uses (log of the norm and loss, log of 1 - cos), except counts, which take Anscombe's
+variance-stabilising 2 sqrt(count + 3/8), where Poisson noise has spread 1 at every level.
 
 **Steps.** Commits that leave the numbers bitwise identical carry no new evidence (the same run
 twice), so a series is first collapsed into its epochs: runs of consecutive commits with equal
@@ -59,30 +57,13 @@ import ruptures
 import xarray as xr
 from scipy.stats import t as student_t
 
-from precision_suite.verdicts.ensemble import (FALSE_ALARM_RATE, FIRST_STEP_SAFETY, SPACES, numel_like, time_dim,
-                                               transform, z_threshold)
+from precision_suite.numerics.metric_table import SPACES
+from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE, FIRST_STEP_SAFETY, numel_like, time_dim, z_threshold
 from precision_suite.verdicts.findings import TIME_DIMS, format_where, to_python
 
 HISTORY_SCHEMA_VERSION = 1  # the record layout below; bump on any change (jobs/history.py refuses others)
 HEADLINE_METRICS = ("attention_norm", "underflow", "distortion", "loss")
 KINDS = ("trained", "replay")
-POISSON_SPREAD = 1.0  # spread of Anscombe's 2 sqrt(count + 3/8) for Poisson counts, at any level
-
-
-def is_count(metric: str) -> bool:
-    return SPACES[metric].kind == "log_count"
-
-
-def detection_space(metric: str, values: np.ndarray | xr.DataArray, numel: np.ndarray | xr.DataArray | None = None
-                    ) -> np.ndarray:
-    """`values` where steps are sought (module docstring): counts 2 sqrt(count + 3/8), the other
-    metrics their comparison space."""
-    v = np.asarray(values, dtype=np.float64)
-    if not is_count(metric):
-        return transform(metric, v)
-    count = v * (1.0 if numel is None else np.asarray(numel, dtype=np.float64))
-    with np.errstate(invalid="ignore"):
-        return 2.0 * np.sqrt(np.maximum(count, 0.0) + 0.375)
 
 
 def _trained_median(da: xr.DataArray) -> xr.DataArray:
@@ -137,13 +118,13 @@ def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> dic
     layout over every layer), whose degrees of freedom are those of the pool's cells together."""
     members = _trained_median(ensemble[metric].astype(np.float64))
     members, like = xr.align(members, like, join="right", exclude=["seed"])
-    y = members.copy(data=detection_space(metric, members.values, numel_like(ensemble, members, metric)))
+    y = members.copy(data=SPACES[metric].detection(members.values, numel_like(ensemble, members, metric)))
     dof_cell = (y.notnull().sum("seed") - 1).clip(min=0)
     var = y.var("seed", ddof=1).where(dof_cell >= 1)
     pool = ["layer"] if "layer" in var.dims else []
     pooled = var.mean(pool).broadcast_like(var)  # NaN where no cell of the pool is measured
     dof = dof_cell.where(var.notnull()).sum(pool).broadcast_like(var)
-    floor = POISSON_SPREAD if is_count(metric) else SPACES[metric].min_spread
+    floor = SPACES[metric].detection_min_spread
     noise = np.sqrt(np.fmax(np.fmax(var.fillna(0.0), pooled), floor ** 2)).where(pooled.notnull())
     return {f"trained_{metric}_noise": noise.transpose(*like.dims).assign_attrs(
                 description=f"spread of the baseline seeds' trained medians (at least their pool's), in "
@@ -156,12 +137,14 @@ def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[s
     current, reference = xr.align(_last_point(replay[metric].astype(np.float64)),
                                   _last_point(stored[metric].astype(np.float64)), join="inner")
     n = numel_like(replay, current, metric)
-    delta = detection_space(metric, current.values, n) - detection_space(metric, reference.values, n)
-    if is_count(metric):
-        noise = max(float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)), POISSON_SPREAD)
+    space = SPACES[metric]
+    delta = space.detection(current.values, n) - space.detection(reference.values, n)
+    if space.is_count:
+        noise = max(float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)),
+                    space.detection_min_spread)
     else:
         tolerance = json.loads(stored.attrs.get("replay_tolerance", "{}")).get(metric)
-        noise = max(float(tolerance) / FIRST_STEP_SAFETY, SPACES[metric].min_spread) if tolerance else math.nan
+        noise = max(float(tolerance) / FIRST_STEP_SAFETY, space.min_spread) if tolerance else math.nan
     return {f"replay_{metric}_delta": current.copy(data=delta).assign_attrs(
                 description=f"the replay's last point minus the stored replay's, in {metric}'s detection space"),
             f"replay_{metric}_noise": current.copy(data=np.full(current.shape, noise)).assign_attrs(
@@ -277,7 +260,7 @@ def case_series(history: xr.Dataset) -> list[Series]:
             levels = np.full(values.shape[1], np.nan) if noise is None else np.nanmedian(noise, axis=0)
             if kind == "trained":
                 numel = columns(numel_like(history, da, metric))
-                y = detection_space(metric, values, numel)
+                y = SPACES[metric].detection(values, numel)
                 dofs = np.full(values.shape[1], np.inf) if dof is None else np.nanmedian(dof, axis=0)
             coords = [da[d].values for d in groups]
             for k, index in enumerate(np.ndindex(*[da.sizes[d] for d in groups])):

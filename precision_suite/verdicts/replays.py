@@ -20,7 +20,8 @@ import xarray as xr
 from precision_suite.files import safe_filename
 from precision_suite.training.replays import split_state
 from precision_suite.verdicts.baselines import BaselineError, default_regen_hint, load_baseline
-from precision_suite.verdicts.ensemble import (SPACES, all_series, counts_moved_together, first_step_count_noise,
+from precision_suite.numerics.metric_table import SPACES
+from precision_suite.verdicts.ensemble import (all_series, counts_moved_together, first_step_count_noise,
                                                first_step_tolerance, point_finding)
 from precision_suite.verdicts.findings import Finding
 
@@ -76,7 +77,7 @@ def compare_replay(current: xr.Dataset, stored: xr.Dataset, regen_hint: str = ""
                 if found is not None:
                     findings.append(found)
                     break
-        if SPACES[s.metric].kind == "log_count":
+        if SPACES[s.metric].is_count:
             for t, time in enumerate(s.times):
                 found = counts_moved_together(case, s, 0, t, tol, f"replayed step {time}", against, regen_hint)
                 if found is not None:
