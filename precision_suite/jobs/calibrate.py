@@ -19,6 +19,7 @@ import xarray as xr
 from precision_suite.files import safe_filename, save_dataset, write_json
 from precision_suite.jobs import judging
 from precision_suite.jobs.execution import Task
+from precision_suite.jobs.reference import load_project, load_references
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.train import describe, placement, run_tasks
 from precision_suite.jobs.usage import EXIT_OK, EXIT_REGRESSION
@@ -37,12 +38,12 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
     the baselines, print the false alarms and the smallest detected changes; the exit status."""
     specs = selected_specs(selection)
     where = placement(workers, scheduler)
-    rules, tolerances = judging.load_rules(rules_file)
-    references = {case_id(s): judging.load_reference(baseline_dir, case_id(s), s.to_json(),
-                                                     regen_command(selection, baseline_dir, case_id(s)))
-                  for s in specs}
-    stored_replays = judging.load_stored_replays(specs, baseline_dir,
-                                                 lambda case: regen_command(selection, baseline_dir, case))
+    references = load_references(specs, load_project(rules_file), baseline_dir,
+                                 lambda case: regen_command(selection, baseline_dir, case))
+    # judged without the hint to regenerate: every alarm of a calibration is false by construction
+    references = {case: dataclasses.replace(ref, regen_hint="") for case, ref in references.items()}
+    stored_replays = {case: ref.stored_replay for case, ref in references.items()
+                      if ref.stored_replay is not None}
     twins = [(twin.name, twin.spec_changes, twin.env) for twin in rounding_twins()]
     perturbations = twins + [(f"seed {seed}", {"seed": seed}, {}) for seed in held_out_seeds]
     runs_to_judge = [(spec, label, Task(dataclasses.replace(spec, **changes), env, f"{case_id(spec)} {label}"))
@@ -65,9 +66,11 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
         case = case_id(spec)
         ds = ds.assign_attrs(case=f"{case} [{label}]")
         save_dataset(ds, folder / "results" / f"{safe_filename(ds.attrs['case'])}.nc")
-        _tabulate(table, verdicts, case, label, judging.judge_case(
-            case, ds, references[case], rules, tolerances, folder, charts, replay=twin_replays.get((case, label)),
-            stored_replay=stored_replays.get(case) if (case, label) in twin_replays else None))
+        # held-out seeds have no replay: their runs alone are judged
+        reference = references[case] if (case, label) in twin_replays else \
+            dataclasses.replace(references[case], stored_replay=None)
+        _tabulate(table, verdicts, case, label,
+                  judging.judge_case(ds, reference, folder, charts, replay=twin_replays.get((case, label))))
     for case, stored in stored_replays.items():  # each twin's replay against the tolerance of the others
         for label in [label for c, label in twin_replays if c == case]:
             others = [ds for (c, other), ds in twin_replays.items() if c == case and other != label]
@@ -76,14 +79,14 @@ def calibrate(selection: Selection, held_out_seeds: Sequence[int], *, baseline_d
             _tabulate(table, verdicts, case, f"replay, {label} left out of the tolerance",
                       verdict(f"{case} [replay, {label} left out]", findings))
     for case, reference in references.items():  # free held-out runs: each member against the rest
-        if len(ensemble.ensemble_seeds(reference)) < 3:
+        if len(ensemble.ensemble_seeds(reference.baseline)) < 3:
             continue  # one seed left: no spread to judge by
-        for seed, member, others in ensemble.leave_one_out(reference):
+        for seed, member, others in ensemble.leave_one_out(reference.baseline):
             label = f"seed {seed} left out"
             member = member.assign_attrs(case=f"{case} [{label}]")
-            outcome = judging.judge_case(case, member, others, rules, tolerances, folder, charts)
-            _tabulate(table, verdicts, case, label, outcome)
-    detectable = {case_id(spec): ensemble.detectable_change(ds, references[case_id(spec)])
+            against_others = dataclasses.replace(reference, baseline=others, stored_replay=None)
+            _tabulate(table, verdicts, case, label, judging.judge_case(member, against_others, folder, charts))
+    detectable = {case_id(spec): ensemble.detectable_change(ds, references[case_id(spec)].baseline)
                   for spec, ds in zip(specs, results[::len(perturbations)])}
     alarms_by_metric = {m: sum(row["false_alarms"][m] for row in table) for m in SPACES}
     failing = [row for row in table if row["status"] in ("fail", "error", "drift")]

@@ -16,6 +16,7 @@ from precision_suite.jobs.baselines import regenerate, regeneration_size
 from precision_suite.jobs.bisect import bisect_commits
 from precision_suite.jobs.diff import diff_commits
 from precision_suite.jobs.history import record_results, report_history
+from precision_suite.jobs.reference import REQUIRED, SKIPPED, Reference, load_project, load_reference, load_references
 from precision_suite.jobs.reproduce import figure_specs, reproduce
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import EXIT_OK, UsageError
@@ -32,14 +33,12 @@ def run_cases(selection: Selection, *, baseline_dir: str, rules_file: str, repor
         raise UsageError(f"--save-results {save_results} is the baseline folder: results would "
                          "replace baselines before they are judged; save them elsewhere and use "
                          "`precision-suite baseline update` to regenerate baselines")
-    rules, tolerances = judging.load_rules(rules_file)
-    references = {}
-    for spec in specs:  # every baseline is checked before the first minute of training
-        case = case_id(spec)
-        references[case] = judging.load_reference(baseline_dir, case, spec.to_json(),
-                                                  regen_command(selection, baseline_dir, case))
-    stored_replays = judging.load_stored_replays(specs, baseline_dir,
-                                                 lambda case: regen_command(selection, baseline_dir, case))
+    project = load_project(rules_file)
+    # every baseline and stored replay is read before the first minute of training
+    references = load_references(specs, project, baseline_dir,
+                                 lambda case: regen_command(selection, baseline_dir, case))
+    stored_replays = {case: ref.stored_replay for case, ref in references.items()
+                      if ref.stored_replay is not None}
     folder = judging.report_dir(report_dir)
     verdicts, datasets = [], {}
     trained, replayed = train.train_and_replay(specs, stored_replays, where)
@@ -49,9 +48,7 @@ def run_cases(selection: Selection, *, baseline_dir: str, rules_file: str, repor
             save_dataset(ds, results.result_path(save_results, case))
             if case in replayed:
                 save_dataset(replayed[case], results.replay_result_path(save_results, case))
-        verdicts.append(judging.judge_case(case, ds, references[case], rules, tolerances, folder, charts,
-                                           regen_command(selection, baseline_dir, case),
-                                           replay=replayed.get(case), stored_replay=stored_replays.get(case)))
+        verdicts.append(judging.judge_case(ds, references[case], folder, charts, replay=replayed.get(case)))
         datasets[case] = ds
     return judging.finish(verdicts, datasets, folder, charts,
                           judging.sensitivity(references, datasets, baseline_dir))
@@ -63,11 +60,11 @@ def compare_results(base_location: str, new_location: str, fail: Sequence[str], 
     base = results.load_results(base_location, "BASE")
     new = results.load_results(new_location, "NEW")
     pairs = results.pair_results(base, new, base_location, new_location)
-    rules, tolerances = judging.load_rules(rules_file)
-    layered = [tolerances, results.parse_fail_rules(fail)]  # --fail applies over the project's
+    project = load_project(rules_file)
+    layered = (project.tolerances, results.parse_fail_rules(fail))  # --fail applies over the project's
     folder = judging.report_dir(report_dir)
-    verdicts = [judging.judge_case(case, current, reference, rules, layered, folder, charts)
-                for case, (reference, current) in pairs.items()]
+    verdicts = [judging.judge_case(current, Reference(case, project.rules, layered, baseline), folder, charts)
+                for case, (baseline, current) in pairs.items()]
     return judging.finish(verdicts, {case: current for case, (_, current) in pairs.items()}, folder, charts)
 
 
@@ -93,17 +90,14 @@ def report_results(locations: Sequence[str], *, baseline_dir: str | None, rules_
                    report_dir: str | None, charts: str) -> int:
     """A report of saved results (shards merged), compared with baselines when a folder is given."""
     datasets = results.merge_shards(locations)
-    rules, tolerances = judging.load_rules(rules_file)
+    project = load_project(rules_file)
     folder = judging.report_dir(report_dir)
-    verdicts = []
-    references = {}
-    for case, ds in datasets.items():
-        reference = None
-        if baseline_dir is not None:
-            reference = references[case] = judging.load_reference(baseline_dir, case, ds.attrs.get("spec"),
-                                                                   baselines.default_regen_hint(case))
-        verdicts.append(judging.judge_case(case, ds, reference, rules, tolerances, folder, charts))
-    sensitivity = judging.sensitivity(references, datasets, baseline_dir) if references else None
+    references = {case: load_reference(case, ds.attrs.get("spec"), baseline_dir=baseline_dir, project=project,
+                                       regen_hint=baselines.default_regen_hint(case),
+                                       baseline=SKIPPED if baseline_dir is None else REQUIRED)
+                  for case, ds in datasets.items()}
+    verdicts = [judging.judge_case(ds, references[case], folder, charts) for case, ds in datasets.items()]
+    sensitivity = judging.sensitivity(references, datasets, baseline_dir) if baseline_dir is not None else None
     return judging.finish(verdicts, datasets, folder, charts, sensitivity)
 
 

@@ -33,6 +33,7 @@ import xarray as xr
 
 from precision_suite import files
 from precision_suite.jobs import git, judging, results
+from precision_suite.jobs.reference import Reference, load_project
 from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.train_specs import PROBLEMS
 from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
@@ -253,9 +254,9 @@ def diff_tolerances(rules_file: str, fail: Sequence[str], metric: str | None = N
     """The tolerances HEAD is judged with: the defaults, the project's [tool.precision_suite]
     overrides, then --fail; as a full override table (None: a metric not compared). UsageError
     for a --metric that is not compared."""
-    _, project = judging.load_rules(rules_file)
+    project = load_project(rules_file)
     try:
-        table = resolve_tolerances(project, results.parse_fail_rules(fail))
+        table = resolve_tolerances(project.tolerances, results.parse_fail_rules(fail))
     except ValueError as exc:
         raise UsageError(f"tolerances: {exc}") from None
     if metric is not None and metric not in table:
@@ -279,7 +280,9 @@ def compare_sides(base: Mapping[str, xr.Dataset], head: Mapping[str, xr.Dataset]
     for spec in specs:
         case = case_id(spec)
         differences = () if same_numbers(base[case], head[case]) else tuple(first_differences(base[case], head[case]))
-        outcome = judging.judge_case(case, head[case], base[case], (), tolerances, report_dir, charts)
+        # HEAD against BASE's run: the change is judged, not the project's thresholds
+        against_base = Reference(case, tolerances=(tolerances,), baseline=base[case])
+        outcome = judging.judge_case(head[case], against_base, report_dir, charts)
         if metric is not None:
             outcome = verdict(case, [f for f in outcome.findings if f.metric == metric], outcome.charts)
         compared.append(CaseDiff(case, differences, outcome))

@@ -41,10 +41,11 @@ import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION, atomic_file, load_dataset, safe_filename, write_json
 from precision_suite.jobs import git, judging, results
+from precision_suite.jobs.reference import OPTIONAL, load_reference
 from precision_suite.jobs.selection import Selection
 from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, EXIT_OK, UsageError
 from precision_suite.reports.history import write_history_report
-from precision_suite.verdicts import baselines, history, replays
+from precision_suite.verdicts import history
 from precision_suite.version import __version__
 
 STORE_MARKER = "precision-suite-history.json"
@@ -123,21 +124,6 @@ def write_record(encoded: bytes, path: Path) -> None:
         handle.write(encoded)
 
 
-def _stored(baseline_dir: str, case: str, spec: str) -> tuple[xr.Dataset | None, xr.Dataset | None, str]:
-    """The case's baseline ensemble and stored replay (None where it has none: a user's model
-    without a baseline), and why there is no ensemble ('' when there is): the record then carries
-    no noise level."""
-    try:
-        ensemble = baselines.load_ensemble(baselines.baseline_path(baseline_dir, case), expected_spec=spec)
-    except baselines.BaselineError as exc:
-        return None, None, str(exc).split(";")[0]
-    try:
-        stored_replay = replays.load_replay(baseline_dir, case, expected_spec=spec)
-    except baselines.BaselineError:
-        stored_replay = None
-    return ensemble, stored_replay, ""
-
-
 def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "HEAD", branch: str | None = None,
                    baseline_dir: str = DEFAULT_BASELINE_DIR) -> int:
     """Record saved results (`run --save-results` folders; replays in their `replays/`) as commit
@@ -166,10 +152,14 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
               f"recorded as commit {sha[:12]}", file=sys.stderr)
     records = []
     for case, ds in runs.items():
-        ensemble, stored_replay, missing = _stored(baseline_dir, case, ds.attrs.get("spec"))
+        # a case without a baseline (a user's model with none) records no noise level
+        reference = load_reference(case, ds.attrs.get("spec"), baseline_dir=baseline_dir, baseline=OPTIONAL,
+                                   replay=OPTIONAL)
+        missing = reference.missing.get("baseline", "").split(";")[0]
         host, fingerprint = host_of(ds)
         seed = int(json.loads(ds.attrs.get("spec") or "{}").get("seed") or 0)
-        record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
+        record = history.summarize(ds, ensemble=reference.baseline, replay=replayed.get(case),
+                                   stored_replay=reference.stored_replay)
         record = record.assign_attrs(case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host,
                                      fingerprint=json.dumps(fingerprint, sort_keys=True),
                                      recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

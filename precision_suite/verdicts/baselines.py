@@ -314,18 +314,18 @@ def compare(current: xr.Dataset, baseline: xr.Dataset,
             continue
         if in_current != in_baseline:
             where_missing = "current run" if in_baseline else "baseline"
-            findings.append(_error(case, metric, f"{metric} is missing from the {where_missing}; "
-                                   "the run schema changed, regenerate the baseline"))
+            findings.append(Finding.error(case, metric, f"{metric} is missing from the {where_missing}; "
+                                          "the run schema changed, regenerate the baseline"))
             continue
         cur, base = current[metric], baseline[metric]
         if cur.dims != base.dims:
-            findings.append(_error(case, metric, f"{metric} has dims {cur.dims} in the current run "
-                                   f"but {base.dims} in the baseline"))
+            findings.append(Finding.error(case, metric, f"{metric} has dims {cur.dims} in the current run "
+                                          f"but {base.dims} in the baseline"))
             continue
         mismatch = _coordinate_mismatch(cur, base)
         if mismatch:
-            findings.append(_error(case, metric, f"{metric}: coordinates differ from the baseline "
-                                   f"({mismatch}); compared on the common ones only"))
+            findings.append(Finding.error(case, metric, f"{metric}: coordinates differ from the baseline "
+                                          f"({mismatch}); compared on the common ones only"))
         cur, base = xr.align(cur, base, join="inner")
         findings.extend(_compare_metric(case, metric, cur, base, tol))
     return findings
@@ -451,11 +451,6 @@ def _coordinate_mismatch(cur: xr.DataArray, base: xr.DataArray) -> str:
         if only_base:
             parts.append(f"{dim} {only_base} only in the baseline")
     return "; ".join(parts)
-
-
-def _error(case: str, metric: str, message: str) -> Finding:
-    return Finding(case=case, kind="error", metric=metric, where={}, value=float("nan"),
-                   reference=float("nan"), tolerance=float("nan"), message=f"{case}: {message}")
 
 
 # --------------------------------------------------------------------------- seed ensembles

@@ -278,8 +278,7 @@ def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
         try:
             findings.extend(_check_rule(ds, rule, case, strict))
         except ValueError as err:
-            findings.append(Finding(case, "error", rule.metric, {}, math.nan, math.nan, math.nan,
-                                    f"{case}: rule '{rule}' cannot be checked: {err}"))
+            findings.append(Finding.error(case, rule.metric, f"rule '{rule}' cannot be checked: {err}"))
     return findings
 
 

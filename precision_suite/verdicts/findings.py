@@ -53,6 +53,12 @@ class Finding:
         if self.kind not in FINDING_KINDS:
             raise ValueError(f"Finding.kind {self.kind!r} is unknown; use one of {', '.join(FINDING_KINDS)}")
 
+    @classmethod
+    def error(cls, case: str, metric: str, message: str) -> Finding:
+        """A check of `metric` that could not be made (no numbers); the message names the case."""
+        return cls(case=case, kind="error", metric=metric, where={}, value=math.nan, reference=math.nan,
+                   tolerance=math.nan, message=f"{case}: {message}")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
         return {"case": self.case, "kind": self.kind, "metric": self.metric,
@@ -120,9 +126,7 @@ def _json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-
 def to_python(value: Any) -> Any:
     """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
     return value.item() if isinstance(value, np.generic) else value
-
 

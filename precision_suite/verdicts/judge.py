@@ -45,9 +45,7 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings += baselines.compare(current, reference, tolerances)
     if stored_replay is not None:
         if replay is None:
-            findings.append(Finding(case=case, kind="error", metric="replay", where={}, value=float("nan"),
-                                    reference=float("nan"), tolerance=float("nan"),
-                                    message=f"{case}: a stored replay exists but the replay was not run"))
+            findings.append(Finding.error(case, "replay", "a stored replay exists but the replay was not run"))
         else:
             findings += replays.compare_replay(replay, stored_replay, regen_hint)
     findings += checks.check_operands(current, case)
