@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from synthetic_data import history_store  # noqa: E402
 
 from precision_suite import cli  # noqa: E402
-from precision_suite.jobs.history import load_histories  # noqa: E402
+from precision_suite.jobs.history_store import load_histories  # noqa: E402
 from precision_suite.jobs.selection import Selection  # noqa: E402
 
 ROOT = Path(__file__).parents[1]

@@ -20,7 +20,7 @@ from types import ModuleType
 from precision_suite.jobs.execution import DASK_INSTALL_HINT, scheduler_address
 from precision_suite.jobs.usage import (DEFAULT_BASELINE_DIR, DEFAULT_REPORT_ROOT, DEFAULT_RULES_FILE, EXIT_USAGE,
                                         UsageError)
-from precision_suite.reports.figures import DEFAULT_OUT, FIGURE_NAMES
+from precision_suite.reports.figure_names import DEFAULT_OUT, FIGURE_NAMES
 from precision_suite.verdicts.findings import CHART_CHOICES
 from precision_suite.version import __version__
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         # lazy: torch, xarray and matplotlib load once a command runs, never for --help or a usage error
-        from precision_suite.jobs import calibrate, commands
+        from precision_suite.jobs import commands, false_alarms as calibrate
 
         return args.command_func(args, commands, calibrate)
     except UsageError as exc:

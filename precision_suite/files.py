@@ -87,7 +87,7 @@ def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True)
 
 def load_dataset(path: str | os.PathLike, engine: str = NETCDF_ENGINE) -> xr.Dataset:
     """Read a dataset written by `save_dataset` (or, with `engine="scipy"`, a netCDF classic file:
-    jobs/history.py's records) fully into memory (the file is closed after)."""
+    jobs/history_store.py's records) fully into memory (the file is closed after)."""
     import xarray as xr
 
     path = Path(path)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from precision_suite.verdicts.calibration import read_measured, statement_lines
+from precision_suite.verdicts.alarm_statement import read_measured, statement_lines
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from precision_suite.jobs.reference import Reference
     from precision_suite.training.matrix import KnownViolation
     from precision_suite.training.runs import RunSpec
-    from precision_suite.verdicts.checks import CaseVerdict, Finding, ProjectConfig, Rule
+    from precision_suite.verdicts.findings import CaseVerdict, Finding
+    from precision_suite.verdicts.project_config import ProjectConfig
+    from precision_suite.verdicts.rules import Rule
 
 CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
 CASE_PROPERTY = "precision_case"
@@ -59,7 +61,7 @@ class PrecisionSettings:
         """[tool.precision_suite] of the rootdir's pyproject.toml, parsed once per session."""
         if self._project is None:
             # lazy: rules are read only by sessions with a pyproject.toml, and pull in xarray
-            from precision_suite.verdicts.checks import load_project_config
+            from precision_suite.verdicts.project_config import load_project_config
 
             self._project = load_project_config(self.pyproject)
         return self._project
@@ -227,16 +229,17 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
                 known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
     # lazy: xarray, torch and matplotlib load with the first precision check, not with pytest
     from precision_suite.files import safe_filename
-    from precision_suite.jobs.judging import judge_and_chart
+    from precision_suite.jobs.checking import judge_and_chart
     from precision_suite.jobs.reference import Reference
-    from precision_suite.verdicts import baselines, judge
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import default_regen_hint, in_default_matrix
 
     project, call_rules, known, ds = _prepare(node, settings, runner, spec_or_dataset, rules, tolerances,
                                               known_violation)
     case = str(ds.attrs["case"])
     hint = f"pytest '{node.nodeid}' --precision-regen"
-    if baselines.in_default_matrix(case):
-        hint += f"  (or: {baselines.default_regen_hint(case)})"
+    if in_default_matrix(case):
+        hint += f"  (or: {default_regen_hint(case)})"
     spec = None if _is_dataset(spec_or_dataset) else _as_spec(spec_or_dataset)
     replay = None
     if settings.regen:
@@ -267,14 +270,17 @@ def _prepare(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, s
              ) -> tuple[ProjectConfig, tuple[Rule, ...], tuple[KnownViolation, ...], xr.Dataset]:
     """(the project's configuration, the call's rules, its known violations, the dataset to check);
     the test fails unchecked, with one line saying what is wrong, when one of them is unusable."""
-    from precision_suite.verdicts import baselines, checks, judge
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import REQUIRED_ATTRS
+    from precision_suite.verdicts.rules import parse_rules
+    from precision_suite.verdicts.tolerances import resolve_tolerances
 
     problem = None  # pytest.fail is called outside the except blocks: no chained traceback
     try:
         project = settings.project()
-        call_rules = checks.parse_rules(rules)
+        call_rules = parse_rules(rules)
         known = judge.known_violations(known_violation)
-        baselines.resolve_tolerances(project.tolerances, tolerances)
+        resolve_tolerances(project.tolerances, tolerances)
     except (ValueError, RuntimeError) as err:
         problem = f"precision check configuration: {err}"
     if problem:
@@ -287,7 +293,7 @@ def _prepare(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, s
             problem = f"precision run of {spec_or_dataset!r}: {err}"
     if problem:
         _fail_unchecked(node, spec_or_dataset, problem)
-    missing = [name for name in baselines.REQUIRED_ATTRS if name not in ds.attrs]
+    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
         _fail_unchecked(node, spec_or_dataset,
                         f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
@@ -319,13 +325,15 @@ def _regenerate_unless_refused(node: pytest.Item, settings: PrecisionSettings, d
                                known: tuple[KnownViolation, ...]) -> list[Finding]:
     """Under --precision-regen: write the case's seed-ensemble baseline, unless the run breaks its
     rules (it is not golden) or no spec says how to train it; the refusal as an error finding."""
-    from precision_suite.verdicts import baselines, checks, judge
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import baseline_path
     from precision_suite.verdicts.findings import Finding, verdict
+    from precision_suite.verdicts.rules import check_rules
 
     case = str(ds.attrs["case"])
-    before = checks.check_rules(ds, project.rules, case) + checks.check_rules(ds, call_rules, case, strict=True)
+    before = check_rules(ds, project.rules, case) + check_rules(ds, call_rules, case, strict=True)
     if judge.blocks(verdict(case, judge.excuse(before, known))):
-        return [Finding.error(case, "baseline", f"baseline {baselines.baseline_path(settings.baseline_dir, case)} "
+        return [Finding.error(case, "baseline", f"baseline {baseline_path(settings.baseline_dir, case)} "
                               "not written: a run that breaks its rules is not golden")]
     if spec is None:
         return [Finding.error(case, "baseline", "--precision-regen needs a RunSpec (a baseline is a seed "
@@ -364,7 +372,7 @@ def _as_spec(spec: Any) -> RunSpec:
 
 def _regenerate(node: pytest.Item, spec: RunSpec, baseline_dir: Path) -> None:
     """Write the seed-ensemble baseline, unless it already holds these numbers (no git churn)."""
-    from precision_suite.jobs.baselines import regenerate  # lazy: torch, only under --precision-regen
+    from precision_suite.jobs.regenerate import regenerate  # lazy: torch, only under --precision-regen
 
     for path, written in regenerate([spec], baseline_dir):
         if written:

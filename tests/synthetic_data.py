@@ -129,8 +129,8 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     import hashlib
 
     from precision_suite.files import load_dataset
-    from precision_suite.jobs.history import encode_record, host_of, record_path, store_schema, write_record
-    from precision_suite.verdicts import history
+    from precision_suite.jobs.history_store import encode_record, host_of, record_path, store_schema, write_record
+    from precision_suite.verdicts.history_records import HEADLINE_METRICS, summarize
 
     store_schema(store, create=True)
     rng = np.random.default_rng(seed)
@@ -140,14 +140,14 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
         baseline = load_dataset(Path(baseline_dir) / f"{case}.nc")
         stored_path = Path(baseline_dir) / "replays" / f"{case}.nc"
         stored = load_dataset(stored_path) if stored_path.is_file() else None
-        first = history.summarize(baseline.isel(seed=0, drop=True), ensemble=baseline, replay=stored,
+        first = summarize(baseline.isel(seed=0, drop=True), ensemble=baseline, replay=stored,
                                   stored_replay=stored)
         host, fingerprint = host_of(baseline)
         record = None
         for i, sha in enumerate(shas):
             if i % epoch_every == 0:  # a commit that changes the numbers
                 record = first.copy(deep=True)
-                for metric in history.HEADLINE_METRICS:
+                for metric in HEADLINE_METRICS:
                     name = f"trained_{metric}"
                     if f"{name}_noise" in record:
                         record[name] = _redrawn(metric, record[name], record[f"{name}_noise"],

@@ -19,19 +19,9 @@ import xarray as xr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_suite.verdicts.baselines import (
-    DEFAULT_TOLERANCES,
-    SCHEMA_VERSION,
-    BaselineError,
-    Tolerance,
-    baseline_path,
-    compare,
-    deviation,
-    load_baseline,
-    resolve_tolerances,
-    save_baseline,
-    tolerance_band,
-)
+from precision_suite.files import SCHEMA_VERSION
+from precision_suite.verdicts.baseline_files import BaselineError, baseline_path, load_baseline, save_baseline
+from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, compare, deviation, resolve_tolerances, tolerance_band
 from synthetic_data import make_run_dataset
 
 COMPARED = sorted(DEFAULT_TOLERANCES)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from precision_suite import __version__, cli, files
-from precision_suite.verdicts import calibration
+from precision_suite.verdicts import alarm_statement
 from precision_suite.jobs import execution
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training import matrix, runs
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
+from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from precision_suite.jobs.selection import config_specs
 from precision_suite.training.runs import RunSpec, case_id
 from synthetic_data import fake_replays, make_run_dataset
@@ -324,7 +324,7 @@ def test_calibrate_measures_false_alarms_and_every_later_report_states_them(work
     runs = trained + replays + 8
     assert (f"{runs} judged: {trained} perturbed runs (with their replays), {replays} replays against a "
             "tolerance measured without their twin, 8 members left out of their ensemble; 0 with a FAIL") in out
-    measured = json.loads(calibration.measured_path(workdir / "baselines").read_text())
+    measured = json.loads(alarm_statement.measured_path(workdir / "baselines").read_text())
     assert (measured["runs"], measured["runs_with_alarms"]) == (runs, 0)
     assert {"seed 3 left out", "ATen default kernels"} <= set(measured["perturbations"])
 

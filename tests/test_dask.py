@@ -70,7 +70,7 @@ TRAINING_ENV = {"PRECISION_SUITE_COMPILE": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 SERIAL_SCRIPT = """
 import sys
 from pathlib import Path
-from precision_suite.jobs import baselines, execution
+from precision_suite.jobs import execution, regenerate
 from precision_suite import files
 from precision_suite.training import runs
 
@@ -78,7 +78,7 @@ folder = Path(sys.argv[1])
 specs = [runs.RunSpec(**case) for case in files.read_toml(folder / "tiny.toml")["case"]]
 for spec, ds in zip(specs, execution.run_tasks([execution.Task(spec) for spec in specs], workers=1)):
     files.save_dataset(ds, folder / "runs" / f"{runs.case_id(spec)}.nc")
-baselines.regenerate(specs[:1], folder / "baselines", workers=1)
+regenerate.regenerate(specs[:1], folder / "baselines", workers=1)
 """
 
 

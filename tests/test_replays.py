@@ -12,8 +12,8 @@ import torch
 from precision_suite.files import load_dataset, save_dataset
 from precision_suite.training import replays
 from precision_suite.training.runs import RunSpec, Trainer, run, seeded
-from precision_suite.verdicts.baselines import BaselineError
-from precision_suite.verdicts.replays import (build_replay, compare_replay, is_replay_finding, load_replay,
+from precision_suite.verdicts.baseline_files import BaselineError
+from precision_suite.verdicts.stored_replays import (build_replay, compare_replay, is_replay_finding, load_replay,
                                               replay_path)
 
 SPEC = RunSpec(model="gpt", recipe="fp8-block", depth=1, steps=5, sample_every=2)

@@ -21,8 +21,9 @@ from precision_suite.files import SCHEMA_VERSION
 from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
 from precision_suite.training.replays import replay_start
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts import baselines, replays
-from precision_suite.verdicts.checks import ProjectConfig, Rule, load_project_config
+from precision_suite.verdicts import baseline_files, stored_replays
+from precision_suite.verdicts.project_config import ProjectConfig, load_project_config
+from precision_suite.verdicts.rules import Rule
 from precision_suite.verdicts.findings import Finding
 
 REQUIRED, OPTIONAL, SKIPPED = "required", "optional", "skipped"
@@ -83,13 +84,13 @@ def load_reference(case: str, spec_json: str | None, *, baseline_dir: str | Path
             continue
         try:
             if part == "baseline":
-                loaded[part] = baselines.load_ensemble(
-                    baselines.baseline_path(baseline_dir, case), expected_spec=spec_json,
+                loaded[part] = baseline_files.load_ensemble(
+                    baseline_files.baseline_path(baseline_dir, case), expected_spec=spec_json,
                     expected_schema_version=schema_version, regen_hint=regen_hint or None)
             else:
-                loaded[part] = replays.load_replay(baseline_dir, case, expected_spec=spec_json,
-                                                   regen_hint=regen_hint or None)
-        except baselines.BaselineError as exc:
+                loaded[part] = stored_replays.load_replay(baseline_dir, case, expected_spec=spec_json,
+                                                          regen_hint=regen_hint or None)
+        except baseline_files.BaselineError as exc:
             if strict and needs[part] == REQUIRED:
                 raise UsageError(str(exc)) from None
             missing[part] = str(exc)

@@ -1,6 +1,9 @@
-"""Judging runs for a command or a test: the one judging engine (verdicts.judge) against a case's
-Reference (jobs.reference), the drift chart of a failing or drifting case drawn here, above it,
-and the report that lists the verdicts."""
+"""Checking cases for a command or a test: each case judged by the one judging engine
+(verdicts.judge) against its Reference (jobs.reference), the drift chart of a failing or drifting
+case drawn here (verdicts draws nothing), the report listing the verdicts, a line per verdict and
+the exit status. The `run`, `compare` and `report` commands are this on trained runs against
+their baselines (`run_cases`), on saved results against saved results (`compare_results`) and on
+saved results, against baselines when given (`report_results`)."""
 
 from __future__ import annotations
 
@@ -12,15 +15,84 @@ from typing import Any
 
 import xarray as xr
 
-from precision_suite.files import safe_filename
-from precision_suite.jobs.reference import Reference
+from precision_suite.files import safe_filename, save_dataset
+from precision_suite.jobs import results, train
+from precision_suite.jobs.reference import (REQUIRED, SKIPPED, Reference, load_project, load_reference,
+                                            load_references)
+from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import DEFAULT_REPORT_ROOT, EXIT_OK, EXIT_REGRESSION, UsageError
 from precision_suite.reports import reports
-from precision_suite.reports.charts import plot_drift
+from precision_suite.reports.drift_chart import plot_drift
 from precision_suite.training import matrix
 from precision_suite.training.matrix import KnownViolation
-from precision_suite.verdicts import calibration, ensemble, judge, replays
+from precision_suite.training.runs import case_id
+from precision_suite.verdicts import judge
+from precision_suite.verdicts.alarm_statement import read_measured
+from precision_suite.verdicts.baseline_files import default_regen_hint
+from precision_suite.verdicts.ensemble.power import detectable_change
+from precision_suite.verdicts.ensemble.series import FALSE_ALARM_RATE
 from precision_suite.verdicts.findings import CaseVerdict, Finding
+from precision_suite.verdicts.stored_replays import is_replay_finding
+
+
+def run_cases(selection: Selection, *, baseline_dir: str, rules_file: str, report_dir: str | None,
+              charts: str, workers: int | None, scheduler: str | None, save_results: str | None) -> int:
+    """Train the selection, judge each case against its baseline and the rules, write a report."""
+    specs = selected_specs(selection)
+    where = train.placement(workers, scheduler)
+    if save_results and Path(save_results).resolve() == Path(baseline_dir).resolve():
+        raise UsageError(f"--save-results {save_results} is the baseline folder: results would "
+                         "replace baselines before they are judged; save them elsewhere and use "
+                         "`precision-suite baseline update` to regenerate baselines")
+    project = load_project(rules_file)
+    # every baseline and stored replay is read before the first minute of training
+    references = load_references(specs, project, baseline_dir,
+                                 lambda case: regen_command(selection, baseline_dir, case))
+    stored_replays = {case: ref.stored_replay for case, ref in references.items()
+                      if ref.stored_replay is not None}
+    folder = report_folder(report_dir)
+    verdicts, datasets = [], {}
+    trained, replayed = train.train_and_replay(specs, stored_replays, where)
+    for spec, ds in zip(specs, trained):
+        case = case_id(spec)
+        if save_results:
+            save_dataset(ds, results.result_path(save_results, case))
+            if case in replayed:
+                save_dataset(replayed[case], results.replay_result_path(save_results, case))
+        verdicts.append(judge_case(ds, references[case], folder, charts, replay=replayed.get(case)))
+        datasets[case] = ds
+    return finish(verdicts, datasets, folder, charts,
+                  comparison_sensitivity(references, datasets, baseline_dir))
+
+
+def compare_results(base_location: str, new_location: str, fail: Sequence[str], *, rules_file: str,
+                    report_dir: str | None, charts: str) -> int:
+    """Judge saved results NEW against BASE, case by case."""
+    base = results.load_results(base_location, "BASE")
+    new = results.load_results(new_location, "NEW")
+    pairs = results.pair_results(base, new, base_location, new_location)
+    project = load_project(rules_file)
+    layered = (project.tolerances, results.parse_fail_rules(fail))  # --fail applies over the project's
+    folder = report_folder(report_dir)
+    verdicts = [judge_case(current, Reference(case, project.rules, layered, baseline), folder, charts)
+                for case, (baseline, current) in pairs.items()]
+    return finish(verdicts, {case: current for case, (_, current) in pairs.items()}, folder, charts)
+
+
+def report_results(locations: Sequence[str], *, baseline_dir: str | None, rules_file: str,
+                   report_dir: str | None, charts: str) -> int:
+    """A report of saved results (shards merged), compared with baselines when a folder is given."""
+    datasets = results.merge_shards(locations)
+    project = load_project(rules_file)
+    folder = report_folder(report_dir)
+    references = {case: load_reference(case, ds.attrs.get("spec"), baseline_dir=baseline_dir, project=project,
+                                       regen_hint=default_regen_hint(case),
+                                       baseline=SKIPPED if baseline_dir is None else REQUIRED)
+                  for case, ds in datasets.items()}
+    verdicts = [judge_case(ds, references[case], folder, charts) for case, ds in datasets.items()]
+    if baseline_dir is None:
+        return finish(verdicts, datasets, folder, charts)
+    return finish(verdicts, datasets, folder, charts, comparison_sensitivity(references, datasets, baseline_dir))
 
 
 class PrecisionChartWarning(UserWarning):
@@ -43,8 +115,8 @@ def judge_and_chart(current: xr.Dataset, reference: Reference, *, chart_path: st
         return outcome
     chart_path, charts = Path(chart_path), []
     drawn = [f for f in outcome.findings if f.kind != "error"]
-    of_run = [f for f in drawn if not replays.is_replay_finding(f)]
-    of_replay = [f for f in drawn if replays.is_replay_finding(f)]
+    of_run = [f for f in drawn if not is_replay_finding(f)]
+    of_replay = [f for f in drawn if is_replay_finding(f)]
     if of_run and _draw(current, reference.baseline, of_run, chart_path):
         charts.append(str(chart_path))
     replay_chart = chart_path.with_name(f"{chart_path.stem}-replay{chart_path.suffix}")
@@ -82,18 +154,18 @@ def judge_case(current: xr.Dataset, reference: Reference, report_dir: Path, char
         raise UsageError(f"tolerances: {exc}") from None
 
 
-def sensitivity(references: Mapping[str, Reference], datasets: Mapping[str, xr.Dataset],
+def comparison_sensitivity(references: Mapping[str, Reference], datasets: Mapping[str, xr.Dataset],
                 baseline_dir: str) -> dict[str, Any]:
     """What a report states about its comparison: the designed false-alarm rate, the rate
     `calibrate` measured on these baselines (if it was run), the smallest change detected."""
     try:
-        measured = calibration.read_measured(baseline_dir)
+        measured = read_measured(baseline_dir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     ensembles = {case: reference.baseline for case, reference in references.items()
                  if reference.baseline is not None and "seed" in reference.baseline.dims}
-    return {"design_false_alarm_rate": ensemble.FALSE_ALARM_RATE, "measured": measured,
-            "detectable_change": {case: ensemble.detectable_change(ds, ensembles[case])
+    return {"design_false_alarm_rate": FALSE_ALARM_RATE, "measured": measured,
+            "detectable_change": {case: detectable_change(ds, ensembles[case])
                                   for case, ds in datasets.items() if case in ensembles}}
 
 
@@ -112,7 +184,7 @@ def finish(verdicts: Sequence[CaseVerdict], datasets: Mapping[str, xr.Dataset], 
     return EXIT_REGRESSION if any(judge.blocks(v) for v in verdicts) else EXIT_OK
 
 
-def report_dir(given: str | None) -> Path:
+def report_folder(given: str | None) -> Path:
     """The report folder: `given` (created), or a new timestamped one under reports/."""
     if given is None:
         return reports.new_report_dir(DEFAULT_REPORT_ROOT)

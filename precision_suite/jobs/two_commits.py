@@ -32,7 +32,8 @@ from typing import Any
 import xarray as xr
 
 from precision_suite import files
-from precision_suite.jobs import git, judging, results
+from precision_suite.jobs import git, results
+from precision_suite.jobs.checking import finish, judge_case, report_folder
 from precision_suite.jobs.reference import Reference, load_project
 from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.train_specs import PROBLEMS
@@ -40,7 +41,8 @@ from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
 from precision_suite.numerics.metric_table import METRICS
 from precision_suite.training.replays import replay_steps
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts.baselines import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances, same_numbers
+from precision_suite.verdicts.baseline_files import same_numbers
+from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances
 from precision_suite.verdicts.differences import Difference, first_differences, first_of
 from precision_suite.verdicts.findings import CaseVerdict, verdict
 
@@ -282,7 +284,7 @@ def compare_sides(base: Mapping[str, xr.Dataset], head: Mapping[str, xr.Dataset]
         differences = () if same_numbers(base[case], head[case]) else tuple(first_differences(base[case], head[case]))
         # HEAD against BASE's run: the change is judged, not the project's thresholds
         against_base = Reference(case, tolerances=(tolerances,), baseline=base[case])
-        outcome = judging.judge_case(head[case], against_base, report_dir, charts)
+        outcome = judge_case(head[case], against_base, report_dir, charts)
         if metric is not None:
             outcome = verdict(case, [f for f in outcome.findings if f.metric == metric], outcome.charts)
         compared.append(CaseDiff(case, differences, outcome))
@@ -304,10 +306,10 @@ def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, f
         folder = Path(name)
         base_runs = _train_tree(base, root, base_tree, specs, tool, folder / "base", workers)
         head_runs = _train_tree(head, root, head_tree, specs, tool, folder / "head", workers)
-        out = judging.report_dir(report_dir)
+        out = report_folder(report_dir)
         compared = compare_sides(base_runs, head_runs, specs, tolerances, out, charts, metric)
         measured = measure_cleanly(base, head, root, (base_tree, head_tree), specs, compared, tool, folder)
     print(f"{head.name} against {base.name} ({git.subject(root, base.sha)}):")
     for case in compared:
         print("\n".join(case.lines(metric) + (measured[case.case].lines(metric) if case.case in measured else [])))
-    return judging.finish([case.verdict for case in compared], head_runs, out, charts)
+    return finish([case.verdict for case in compared], head_runs, out, charts)
