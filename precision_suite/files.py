@@ -13,8 +13,9 @@ import os
 import re
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:  # xarray is imported where datasets are read or written: checks.py stays light
     import xarray as xr

@@ -129,7 +129,13 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     import hashlib
 
     from precision_suite.files import load_dataset
-    from precision_suite.jobs.history_store import encode_record, host_of, record_path, store_schema, write_record
+    from precision_suite.jobs.history_store import (
+        encode_record,
+        host_of,
+        record_path,
+        store_schema,
+        write_record,
+    )
     from precision_suite.verdicts.history_records import HEADLINE_METRICS, summarize
 
     store_schema(store, create=True)

@@ -7,7 +7,6 @@ tests keep their meaning when a tolerance is retuned.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import threading
@@ -21,7 +20,14 @@ from hypothesis import strategies as st
 
 from precision_suite.files import SCHEMA_VERSION
 from precision_suite.verdicts.baseline_files import BaselineError, baseline_path, load_baseline, save_baseline
-from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, compare, deviation, resolve_tolerances, tolerance_band
+from precision_suite.verdicts.tolerances import (
+    DEFAULT_TOLERANCES,
+    Tolerance,
+    compare,
+    deviation,
+    resolve_tolerances,
+    tolerance_band,
+)
 from synthetic_data import make_run_dataset
 
 COMPARED = sorted(DEFAULT_TOLERANCES)

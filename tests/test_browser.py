@@ -24,8 +24,8 @@ import pytest
 
 from precision_suite import cli
 from precision_suite.reports import canvas, drift_chart, reports
-from precision_suite.verdicts.tolerances import compare
 from precision_suite.verdicts.findings import verdict
+from precision_suite.verdicts.tolerances import compare
 from synthetic_data import history_store, make_run_dataset
 
 REQUIRE_ENV = "PRECISION_SUITE_REQUIRE_BROWSER"

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 from matplotlib.collections import PathCollection, PolyCollection
 
+from precision_suite.numerics.metric_table import METRICS, SPACES
 from precision_suite.reports import canvas, drift_chart, figures
-from precision_suite.verdicts.tolerances import compare, tolerance_band
-from precision_suite.verdicts.findings import Finding
-from precision_suite.verdicts.rules import check_rules
-from precision_suite.numerics.metric_table import SPACES
 from precision_suite.verdicts.ensemble.build import make_ensemble
 from precision_suite.verdicts.ensemble.compare import compare_ensemble
-from precision_suite.numerics.metric_table import METRICS
+from precision_suite.verdicts.findings import Finding
+from precision_suite.verdicts.rules import check_rules
+from precision_suite.verdicts.tolerances import compare, tolerance_band
 from synthetic_data import make_run_dataset
 
 

@@ -6,20 +6,25 @@ is checked on both sides: the unchanged case passes, the change fails.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 
 import numpy as np
 import pytest
 import xarray as xr
 
 from precision_suite import cli
-from precision_suite.verdicts.baseline_files import BaselineError, load_ensemble, save_baseline
 from precision_suite.numerics.metric_table import SPACES
+from precision_suite.verdicts.baseline_files import BaselineError, load_ensemble, save_baseline
 from precision_suite.verdicts.ensemble.build import leave_one_out, make_ensemble
 from precision_suite.verdicts.ensemble.compare import compare_ensemble
-from precision_suite.verdicts.ensemble.first_point import FIRST_STEP_FLIPS, FIRST_STEP_SAFETY, count_allowance, first_step_count_noise, first_step_tolerance
+from precision_suite.verdicts.ensemble.first_point import (
+    FIRST_STEP_FLIPS,
+    FIRST_STEP_SAFETY,
+    count_allowance,
+    first_step_count_noise,
+    first_step_tolerance,
+)
 from precision_suite.verdicts.ensemble.series import EnsembleError
 from synthetic_data import make_run_dataset
 
@@ -233,7 +238,7 @@ def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_al
     of their medians beyond its band measured from runs of other seeds."""
     from precision_suite.verdicts.ensemble.build import build_ensemble
     from precision_suite.verdicts.ensemble.compare import mean_z_band, series_median_z
-    from precision_suite.verdicts.ensemble.series import metric_series, all_series, spread, trained_threshold
+    from precision_suite.verdicts.ensemble.series import all_series, metric_series, spread, trained_threshold
 
     held_out = (4, 5)
     ensemble = build_ensemble([make_run_dataset(seed=s) for s in (*SEEDS, *held_out)], len(SEEDS), len(held_out))

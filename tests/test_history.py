@@ -5,6 +5,7 @@ laws on synthetic series (verdicts/history.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -275,7 +276,7 @@ def test_null_series_give_no_step_at_the_design_rate_and_a_step_is_found_where_i
     for _ in range(n_series // layers + 1):
         noise = float(np.sqrt(rng.standard_normal((layers, seeds)).var(axis=1, ddof=1).mean()))
         dof = layers * (seeds - 1)
-        penalty = lambda epochs: history_steps.step_penalty(n_series, epochs, dof)  # noqa: E731
+        penalty = functools.partial(history_steps.step_penalty, n_series, dof=dof)
         false += sum(bool(history_steps.change_points(rng.standard_normal(n), noise, penalty)) for _ in range(layers))
     assert false == 0
     y = rng.standard_normal(n)

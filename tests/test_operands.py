@@ -20,15 +20,25 @@ from precision_suite.reports import drift_chart
 from precision_suite.training import recipes
 from precision_suite.training.matrix import KnownViolation
 from precision_suite.training.probes import transpose_layout
-from precision_suite.training.recorder import instrument
 from precision_suite.training.recipes import (
-    GEMM_OPERANDS, HIGH_PRECISION, NAMED_RECIPES, RECIPES_ENV, Gemm, Operand, QuantLinear, Recipe,
-    add_operand_observer, get_recipe, recipes_environment, set_recipe)
+    GEMM_OPERANDS,
+    HIGH_PRECISION,
+    NAMED_RECIPES,
+    Gemm,
+    Operand,
+    QuantLinear,
+    Recipe,
+    add_operand_observer,
+    get_recipe,
+    recipes_environment,
+    set_recipe,
+)
+from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, run
 from precision_suite.training.views import module_view
+from precision_suite.verdicts.judge import judge_case
 from precision_suite.verdicts.operand_invariant import check_operands
 from precision_suite.verdicts.rules import check_rules
-from precision_suite.verdicts.judge import judge_case
 
 BLOCK_MODULES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]
 # every way an operand is declared: fp32 kept, bf16 cast, stochastic e5m2, a Hadamard-rotated wgrad

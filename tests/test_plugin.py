@@ -45,7 +45,6 @@ from precision_suite.verdicts.baseline_files import baseline_path
 from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from precision_suite.verdicts.stored_replays import replay_path
 
-
 TESTS_DIR = Path(__file__).resolve().parent
 PLANT_ENV = "PRECISION_SUITE_TEST_PLANT"  # "regression" or "drift": what the fake training plants
 CASE = "vit-softmax-fp32"

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite.reports import canvas, drift_chart, reports
 from precision_suite import files
-from precision_suite.verdicts.tolerances import compare
+from precision_suite.reports import canvas, drift_chart, reports
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
+from precision_suite.verdicts.tolerances import compare
 from synthetic_data import make_run_dataset
 
 

@@ -15,10 +15,15 @@ import pytest
 from precision_suite import cli, files
 from precision_suite.jobs import execution, figure_runs
 from precision_suite.reports.figure_names import FIGURE_NAMES
+from precision_suite.reports.paper_claims import (
+    FIGURE_A_VARIANTS,
+    SCALED_TWINS,
+    figure_a_claims,
+    figure_b_claims,
+)
+from precision_suite.reports.reports import markdown_cell
 from precision_suite.training import runs
 from precision_suite.verdicts.rules import run_spec
-from precision_suite.reports.reports import markdown_cell
-from precision_suite.reports.paper_claims import FIGURE_A_VARIANTS, SCALED_TWINS, figure_a_claims, figure_b_claims
 from synthetic_data import make_run_dataset
 
 N_TOKENS = 196

@@ -17,8 +17,14 @@ import xarray as xr
 
 from precision_suite.files import safe_filename, save_dataset
 from precision_suite.jobs import results, train
-from precision_suite.jobs.reference import (REQUIRED, SKIPPED, Reference, load_project, load_reference,
-                                            load_references)
+from precision_suite.jobs.reference import (
+    REQUIRED,
+    SKIPPED,
+    Reference,
+    load_project,
+    load_reference,
+    load_references,
+)
 from precision_suite.jobs.selection import Selection, regen_command, selected_specs
 from precision_suite.jobs.usage import DEFAULT_REPORT_ROOT, EXIT_OK, EXIT_REGRESSION, UsageError
 from precision_suite.reports import reports

@@ -18,11 +18,20 @@ from pathlib import Path
 
 from precision_suite.files import load_dataset
 from precision_suite.jobs import git, results
-from precision_suite.jobs.two_commits import (CaseDiff, Side, compare_sides, diff_tolerances, fresh_interpreter,
-                                       side_environment, tolerances_from_json, tolerances_to_json, tool_snapshot,
-                                       train_at)
 from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.train_specs import cannot_run, train_specs
+from precision_suite.jobs.two_commits import (
+    CaseDiff,
+    Side,
+    compare_sides,
+    diff_tolerances,
+    fresh_interpreter,
+    side_environment,
+    tolerances_from_json,
+    tolerances_to_json,
+    tool_snapshot,
+    train_at,
+)
 from precision_suite.jobs.usage import DEFAULT_RULES_FILE, EXIT_OK, EXIT_REGRESSION, UsageError
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.judge import blocks

@@ -22,9 +22,9 @@ from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
 from precision_suite.training.replays import replay_start
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts import baseline_files, stored_replays
+from precision_suite.verdicts.findings import Finding
 from precision_suite.verdicts.project_config import ProjectConfig, load_project_config
 from precision_suite.verdicts.rules import Rule
-from precision_suite.verdicts.findings import Finding
 
 REQUIRED, OPTIONAL, SKIPPED = "required", "optional", "skipped"
 PARTS = ("baseline", "replay")  # a Reference's files, named as the error findings of their absence

@@ -42,9 +42,9 @@ from precision_suite.numerics.metric_table import METRICS
 from precision_suite.training.replays import replay_steps
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.baseline_files import same_numbers
-from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances
 from precision_suite.verdicts.differences import Difference, first_differences, first_of
 from precision_suite.verdicts.findings import CaseVerdict, verdict
+from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances
 
 # `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH: in the
 # user's tree, which may hold a precision_suite of its own (or its own `git`, `train`... modules).

@@ -23,7 +23,6 @@ from matplotlib.ticker import EngFormatter
 from precision_suite.files import atomic_file
 from precision_suite.numerics.metric_table import METRICS
 
-
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
 PNG_COLOURS = 256  # PNGs are stored with a palette: a third of the bytes, no visible change

@@ -21,7 +21,6 @@ from precision_suite.verdicts.findings import severity
 from precision_suite.verdicts.rules import run_spec
 from precision_suite.verdicts.tolerances import tolerance_band
 
-
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
 # drift panels per chart, worst first: a case with hundreds of findings made 17-panel charts of
 # 1.2 MB that no one scrolls through; the rest are named on the chart and listed in the report

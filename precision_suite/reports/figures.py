@@ -13,10 +13,15 @@ import xarray as xr
 from matplotlib.figure import Figure
 
 from precision_suite.numerics.metric_table import METRICS
-from precision_suite.reports.canvas import (figure_legend, new_figure, note_hidden_points, palette, save_figure,
-                                            set_x_axis)
+from precision_suite.reports.canvas import (
+    figure_legend,
+    new_figure,
+    note_hidden_points,
+    palette,
+    save_figure,
+    set_x_axis,
+)
 from precision_suite.verdicts.rules import run_spec
-
 
 # figure B panels: (tensor coordinate, layout label, title as in the Ling 2.0 figure)
 QUANT_PANELS = (

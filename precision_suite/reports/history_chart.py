@@ -12,7 +12,6 @@ from matplotlib.figure import Figure
 from precision_suite.reports.canvas import DPI, axis_label, palette, save_figure
 from precision_suite.verdicts.history_steps import CaseHistory
 
-
 MAX_HISTORY_TICKS = 25  # commit labels on a history chart's x axis; more would overlap
 HISTORY_COLUMNS = 2
 

@@ -13,7 +13,14 @@ from typing import Any
 
 from precision_suite.files import safe_filename
 from precision_suite.reports.history_chart import plot_history
-from precision_suite.reports.reports import CSS, MAX_MARKDOWN_BYTES, figure_html, jsonable, markdown_cell, write_text
+from precision_suite.reports.reports import (
+    CSS,
+    MAX_MARKDOWN_BYTES,
+    figure_html,
+    jsonable,
+    markdown_cell,
+    write_text,
+)
 from precision_suite.verdicts.ensemble.series import FALSE_ALARM_RATE
 from precision_suite.verdicts.history_steps import CaseHistory, Step
 from precision_suite.version import __version__

@@ -31,8 +31,13 @@ import xarray as xr
 
 from precision_suite.files import atomic_file, safe_filename, save_dataset
 from precision_suite.reports.canvas import save_figure
-from precision_suite.reports.figures import QUANT_PANELS, default_attention_layers, plot_attention_norm, plot_quant_error
 from precision_suite.reports.figure_names import check_figure
+from precision_suite.reports.figures import (
+    QUANT_PANELS,
+    default_attention_layers,
+    plot_attention_norm,
+    plot_quant_error,
+)
 from precision_suite.reports.reports import markdown_cell
 from precision_suite.training.runs import RunSpec, case_id
 

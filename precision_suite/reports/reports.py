@@ -29,13 +29,13 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from precision_suite.version import __version__
+from precision_suite.files import atomic_file, safe_filename
 from precision_suite.reports.canvas import save_figure
 from precision_suite.reports.figures import plot_attention_norm, plot_quant_error
 from precision_suite.verdicts.alarm_statement import statement_lines
-from precision_suite.verdicts.rules import run_spec
-from precision_suite.files import atomic_file, safe_filename
 from precision_suite.verdicts.findings import CHART_CHOICES, severity
+from precision_suite.verdicts.rules import run_spec
+from precision_suite.version import __version__
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",

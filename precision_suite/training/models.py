@@ -15,8 +15,9 @@ exactly the number of patches. The GPT's N is its sequence length (see attention
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F

@@ -21,7 +21,6 @@ from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, 
 from precision_suite.verdicts.ensemble.series import EnsembleError, check_ensemble
 from precision_suite.verdicts.findings import to_python
 
-
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
 EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
 

@@ -45,7 +45,6 @@ from precision_suite.verdicts.ensemble.first_point import FIRST_STEP_SAFETY
 from precision_suite.verdicts.ensemble.series import numel_like, time_dim
 from precision_suite.verdicts.findings import TIME_DIMS
 
-
 HISTORY_SCHEMA_VERSION = 1  # the record layout below; bump on any change (jobs/history_store.py refuses others)
 HEADLINE_METRICS = ("attention_norm", "underflow", "distortion", "loss")
 KINDS = ("trained", "replay")

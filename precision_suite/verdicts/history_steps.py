@@ -18,6 +18,7 @@ or Inf has no level to step to: that commit is a step of infinite size.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -171,7 +172,7 @@ def find_steps(series: Sequence[Series], rate: float = FALSE_ALARM_RATE) -> list
     searched = [s for s in series if s.noise > 0]
     steps = [step for s in series for step in _nonfinite_steps(s)]
     for s in searched:
-        changes = change_points(s.y, s.noise, lambda n: step_penalty(len(searched), n, s.dof, rate))
+        changes = change_points(s.y, s.noise, functools.partial(step_penalty, len(searched), dof=s.dof, rate=rate))
         bounds = [0, *changes, s.y.size]
         for i, index in enumerate(changes, start=1):
             before, after = slice(bounds[i - 1], index), slice(index, bounds[i + 1])

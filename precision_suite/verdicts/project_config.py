@@ -13,7 +13,6 @@ from precision_suite.files import read_toml
 from precision_suite.verdicts.rules import Rule, parse_rules
 from precision_suite.verdicts.tolerances import tolerances_from_config
 
-
 CONFIG_KEYS = ("rules", "tolerances")
 
 

@@ -26,7 +26,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class GrowthRule:
         return _rule_text(f"growth({self.metric})", "<=", self.factor, self.select, "all")
 
 
-Rule = Union[BoundRule, GrowthRule]
+Rule = BoundRule | GrowthRule
 
 _RULE_RE = re.compile(r"""^\s*(?:growth\(\s*(?P<growth>\w+)\s*\)|(?P<metric>\w+))\s*
                           (?P<op><=|>=)\s*(?P<bound>[^@]+?)\s*(?:@(?P<select>.*))?$""", re.X)

@@ -15,13 +15,19 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
 import xarray as xr
 
 from precision_suite.files import safe_filename
+from precision_suite.numerics.metric_table import SPACES
 from precision_suite.training.replays import split_state
 from precision_suite.verdicts.baseline_files import BaselineError, default_regen_hint, load_baseline
-from precision_suite.numerics.metric_table import SPACES
-from precision_suite.verdicts.ensemble.first_point import counts_moved_together, first_step_count_noise, first_step_tolerance, point_finding
+from precision_suite.verdicts.ensemble.first_point import (
+    counts_moved_together,
+    first_step_count_noise,
+    first_step_tolerance,
+    point_finding,
+)
 from precision_suite.verdicts.ensemble.series import all_series
 from precision_suite.verdicts.findings import Finding
 

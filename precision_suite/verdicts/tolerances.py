@@ -20,7 +20,6 @@ import xarray as xr
 from precision_suite.numerics.metric_table import METRICS
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
-
 TOLERANCE_SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
 
 

@@ -13,7 +13,6 @@ from precision_suite.verdicts.ensemble.compare import case_mean_z, mean_z_spread
 from precision_suite.verdicts.ensemble.first_point import first_step_count_noise, first_step_tolerance
 from precision_suite.verdicts.ensemble.series import ENSEMBLE_ATTRS, EnsembleError, ensemble_seeds
 
-
 # Four seeds: each costs a full training run per case on regeneration, and the pooled spread
 # (below) supplies the degrees of freedom that four seeds alone do not.
 ENSEMBLE_SEEDS = (0, 1, 2, 3)

@@ -16,9 +16,19 @@ from scipy.stats import t as student_t
 
 from precision_suite.numerics.metric_table import METRICS, SPACES
 from precision_suite.verdicts.ensemble.first_point import counts_moved_together, first_point_finding
-from precision_suite.verdicts.ensemble.series import (FALSE_ALARM_RATE, Series, all_series, check_ensemble,
-                                                      ensemble_seeds, metric_series, n_statistics, numel_like,
-                                                      series_finding, spread, trained_threshold)
+from precision_suite.verdicts.ensemble.series import (
+    FALSE_ALARM_RATE,
+    Series,
+    all_series,
+    check_ensemble,
+    ensemble_seeds,
+    metric_series,
+    n_statistics,
+    numel_like,
+    series_finding,
+    spread,
+    trained_threshold,
+)
 from precision_suite.verdicts.findings import Finding
 
 

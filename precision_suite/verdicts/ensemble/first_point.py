@@ -22,7 +22,6 @@ from precision_suite.numerics.metric_table import SPACES
 from precision_suite.verdicts.ensemble.series import Series, describe_change, numel_like, series_finding
 from precision_suite.verdicts.findings import Finding
 
-
 FIRST_STEP_SAFETY = 4.0  # x the largest rounding difference the twins made
 # At the first point the same elements are quantized on every machine; rounding moves a few of them
 # across the zero (or saturation) boundary: a count may always move by this many elements.

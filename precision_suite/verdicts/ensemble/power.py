@@ -12,8 +12,13 @@ import xarray as xr
 from precision_suite.numerics.metric_table import SPACES
 from precision_suite.verdicts.ensemble.compare import mean_z_band
 from precision_suite.verdicts.ensemble.first_point import FIRST_STEP_FLIPS, FIRST_STEP_SAFETY, count_allowance
-from precision_suite.verdicts.ensemble.series import all_series, describe_change, n_statistics, spread, trained_threshold
-
+from precision_suite.verdicts.ensemble.series import (
+    all_series,
+    describe_change,
+    n_statistics,
+    spread,
+    trained_threshold,
+)
 
 DETECTABLE_MIN_COUNT = 10  # detectable_change reports count series from this many elements up
 

@@ -23,7 +23,6 @@ from precision_suite.numerics.metric_table import SPACES, Space
 from precision_suite.verdicts.alarm_statement import DESIGN_FALSE_ALARM_RATE
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
-
 FALSE_ALARM_RATE = DESIGN_FALSE_ALARM_RATE  # per case, Bonferroni over its series
 MEDIAN_MARKOV = 2  # P(median of T points beyond c) <= 2 P(one point beyond c): see trained_threshold
 ENSEMBLE_ATTRS = ("ensemble_seeds", "first_step_tolerance", "first_step_count_noise", "trained_mean_z_spread")
