@@ -45,13 +45,19 @@ from typing import Any
 
 import numpy as np
 import torch
-import xarray as xr
 import torch.nn.functional as F
+import xarray as xr
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.training.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
+from precision_suite.training.probes import (
+    TENSOR_ROLES,
+    Scheme,
+    check_measurements,
+    get_scheme,
+    operand_shapes,
+)
 from precision_suite.training.recipes import GEMM_OPERANDS, Operand, add_operand_observer, layer_recipe
 from precision_suite.training.views import OperandCounts, run_dataset
 
