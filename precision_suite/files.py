@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-if TYPE_CHECKING:  # xarray is imported where datasets are read or written: checks.py stays light
+if TYPE_CHECKING:  # xarray is imported where datasets are read or written: verdicts.rules stays light
     import xarray as xr
 
 SCHEMA_VERSION = 3  # run-dataset schema (docs/architecture.md); bump on any layout change

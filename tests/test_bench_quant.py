@@ -5,7 +5,7 @@
 Each format is a benchmark group: its reference `out.copy_(x)` (one read and one write of the
 tensor into a preallocated one: no allocation, no page faults), one read `x.sum()`, and
 quant_error in both orientations, measured one after the other so the reference sees the same
-host. tests/conftest.py prints each ratio of medians against its goal (issue 11); no test asserts
+host. tests/conftest.py prints each ratio of medians against its goal; no test asserts
 a time. Benchmarks are disabled by default (pyproject addopts), so in the normal suite each body
 runs once as a smoke test.
 """

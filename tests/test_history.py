@@ -1,7 +1,7 @@
 """`precision-suite history record` and `history report` on real git and real files: the toy
 package of tests/test_diff.py trained and recorded at each of its 8 commits (commit 5 plants a
 numerics change after step 0), a concurrent record, every bad input; and the step detection's
-laws on synthetic series (verdicts/history.py)."""
+laws on synthetic series (verdicts/history_steps.py)."""
 
 from __future__ import annotations
 

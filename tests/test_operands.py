@@ -1,4 +1,4 @@
-"""What the GEMMs consumed (issue 22, part 3): on sampled steps every operand a recipe's
+"""What the GEMMs consumed: on sampled steps every operand a recipe's
 QuantLinearFn consumes is compared with a fresh quantization of the live tensor it came from
 (`operand_mismatch`), and any nonzero count fails the case. Unchanged code records zero for every
 recipe; planted recipe bugs (a stale weight cache, a transposed block axis, a wrong format) are

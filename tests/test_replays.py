@@ -1,4 +1,4 @@
-"""Replays from stored states (training.replays) and their deterministic comparison (verdicts.replays)."""
+"""Replays from stored states (training.replays) and their deterministic comparison (verdicts.stored_replays)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ so the history is one dataset per host and case when it is read.
 
 Records are netCDF classic files written and read by scipy (already a dependency), not the
 HDF5-based netCDF4 of runs and baselines: a record is a few small arrays, and HDF5's per-variable
-overhead made reading one 22x slower (64 ms against 2.9 ms, measured on the default matrix's
-records), which is most of a 50-commit report. Classic files are uncompressed and 4x smaller here.
+overhead makes reading one an order of magnitude slower, most of a long report's time; the
+uncompressed classic files are smaller too (docs/performance.md).
 
 `<host>` is a short hash of the runs' fingerprint (vector ISA, device, threads, torch, Python, the
 platform's system, machine and C library) without the kernel's release, which runner images update

@@ -160,7 +160,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            None, None, "mean squared error of the reconstruction"),
     Metric("nonfinite", "non-finite element count", "1", "NaN/Inf count", (0.0, float("inf")), "up",
            Space("log_count", 0.0, 0.0), "NaN/Inf elements seen by the probes"),
-    # an invariant, not compared with baselines: any nonzero count fails the case (checks.check_operands)
+    # an invariant, not compared with baselines: any nonzero count fails the case (verdicts.operand_invariant.check_operands)
     Metric("operand_mismatch", "consumed operand elements unlike a fresh quantization", "1",
            "elements unlike a fresh quantization", (0.0, float("inf")), "up", None,
            "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "

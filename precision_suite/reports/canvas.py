@@ -25,7 +25,7 @@ from precision_suite.numerics.metric_table import METRICS
 
 DPI = 100
 PANEL_SIZE = (4.6, 3.4)  # inches per panel: readable at a glance, small enough to embed in HTML
-PNG_COLOURS = 256  # PNGs are stored with a palette: a third of the bytes, no visible change
+PNG_COLOURS = 256  # PNGs are stored with a palette: far fewer bytes, no visible change
 X_LABELS = {"step": "training step", "tokens": "tokens seen", "train_step": "training step"}
 
 
@@ -33,7 +33,7 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Write `fig` atomically (temp file + rename) with byte-identical output for equal figures.
 
     The format follows the suffix (.png, .svg, .pdf). PNGs get a palette of PNG_COLOURS colours
-    (lines, text and shaded bands need no more) and zlib's best compression: a third of the bytes.
+    (lines, text and shaded bands need no more) and zlib's best compression (docs/performance.md).
     """
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
@@ -57,7 +57,7 @@ def _save_palette_png(fig: Figure, handle) -> None:
     # median cut is deterministic, so equal figures still give identical bytes; PIL writes no
     # timestamp or software tag
     image = Image.open(rendered).convert("RGB")
-    # optimize: 10% fewer bytes for 0.1 s more per chart
+    # optimize: fewer bytes for a little more time per chart
     image.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(handle, format="png", optimize=True)
 
 

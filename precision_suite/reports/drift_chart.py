@@ -22,8 +22,8 @@ from precision_suite.verdicts.rules import run_spec
 from precision_suite.verdicts.tolerances import tolerance_band
 
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other
-# drift panels per chart, worst first: a case with hundreds of findings made 17-panel charts of
-# 1.2 MB that no one scrolls through; the rest are named on the chart and listed in the report
+# drift panels per chart, worst first: a case with hundreds of findings would get a chart of dozens
+# of panels that no one scrolls through; the rest are named on the chart and listed in the report
 MAX_DRIFT_PANELS = 6
 # A count panel (fractions of counted elements, NaN/Inf counts) goes logarithmic when its values
 # span this ratio (a decade) or, for fractions, stay below TINY_FRACTION: on a linear axis from
@@ -57,7 +57,7 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     threshold bounds dotted, and each offending (layer, step) marked with a red cross.
     `baseline` may be None for threshold-only findings. `band(metric, reference)` returns the
     band edges over the steps (None: no band); the default is
-    `precision_suite.verdicts.baselines.tolerance_band` with the default tolerances.
+    `precision_suite.verdicts.tolerances.tolerance_band` with the default tolerances.
     """
     case = current.attrs.get("case", "run")
     every_panel = _drift_panels(current, findings)

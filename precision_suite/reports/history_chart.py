@@ -25,7 +25,7 @@ def plot_history(case: CaseHistory, path: str | os.PathLike | None = None) -> Fi
     panels = _history_panels(case)
     rows = -(-len(panels) // HISTORY_COLUMNS)
     # fixed margins, not the constrained layout of the other charts: its measuring of every label
-    # was two thirds of a history report's time (the commit labels sit under the last row only)
+    # would be most of a history report's time (the commit labels sit under the last row only)
     width, height = HISTORY_COLUMNS * max(4.6, 0.11 * len(case.commits) + 2.0), 2.4 * rows + 1.6
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)

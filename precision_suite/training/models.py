@@ -210,7 +210,7 @@ def block_linears(config: ModelConfig) -> list[tuple[str, int, int]]:
 
     Built on the meta device: no memory, no RNG draws.
     """
-    # no causal mask: it shapes no linear, and tril on the meta device costs a fresh process 2.3 s
+    # no causal mask: it shapes no linear, and tril on the meta device costs a fresh process seconds
     with torch.device("meta"):
         block = Block(config, causal=False)
     return [

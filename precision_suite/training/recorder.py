@@ -21,7 +21,7 @@ Operands consumed: on a sampled step the recorder also observes every operand a 
 ``QuantLinearFn`` consumes in a selected module (``recipes.add_operand_observer``) and counts the
 elements that differ from a fresh quantization of the live tensor under the operand's declared
 format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, operand)``, which
-must be zero (verdicts.checks.check_operands). Modules no recipe quantizes count nothing
+must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quantizes count nothing
 (``operand_numel`` 0).
 
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,

@@ -1,8 +1,8 @@
 """The verdict types every check reports (a leaf module: imports nothing of the package).
 
-A `Finding` is one thing a check found; a `CaseVerdict` is a case's outcome. The rules engine
-(checks.py), the baseline comparisons (baselines.py, ensemble.py) and the judging engine
-(judge.py) all speak these types.
+A `Finding` is one thing a check found; a `CaseVerdict` is a case's outcome. The rules (rules.py),
+the operand invariant (operand_invariant.py), the baseline comparisons (tolerances.py, ensemble/,
+stored_replays.py) and the judging engine (judge.py) all speak these types.
 """
 
 from __future__ import annotations

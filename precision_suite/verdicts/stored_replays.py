@@ -4,8 +4,8 @@ A case's replay (training.replays) trains its seed-0 run's last steps again from
 `baselines/replays/<case>.nc` holds that state, the baseline's own replay from it and the rounding
 tolerances its rounding twins measured (`replay_tolerance`, `replay_count_noise`), built by
 `build_replay`. `compare_replay` judges every point of a new replay as the ensemble judges a run's
-first point (verdicts.ensemble.point_finding): both start from the same numbers, so they agree
-within the twins' rounding unless the code changed, in either direction.
+first point (verdicts.ensemble.first_point.point_finding): both start from the same numbers, so
+they agree within the twins' rounding unless the code changed, in either direction.
 """
 
 from __future__ import annotations

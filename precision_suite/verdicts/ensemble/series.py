@@ -113,8 +113,8 @@ def metric_series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> Ser
     groups = []
     pool_keys: dict[tuple, int] = {}
     pool = np.zeros(n_groups, dtype=np.int64)
-    # each coordinate read once: indexing the DataArray anew for every group of every series took
-    # most of the time of judging a case
+    # each coordinate read once: indexing the DataArray anew for every group of every series would
+    # be most of the time of judging a case
     coords = [(d, cur[d].values) for d in group_dims]
     for g, index in enumerate(np.ndindex(*sizes) if sizes else [()]):
         where = {d: to_python(values[i]) for (d, values), i in zip(coords, index)}
