@@ -268,6 +268,7 @@ def cpu_model() -> str:
 
 def part_quantization(ctx: Context) -> dict[str, Any]:
     import torch
+
     from precision_suite import FORMATS, Format, quant_error, quantize
 
     device = torch.device(ctx.device)
@@ -317,6 +318,7 @@ def part_quantization(ctx: Context) -> dict[str, Any]:
 
 def part_gemm(ctx: Context) -> dict[str, Any]:
     import torch
+
     from precision_suite import quantize
 
     if ctx.device != "cuda":
@@ -394,6 +396,7 @@ def scaled_mm(a: Any, b: Any, scale_a: Any, scale_b: Any, out_dtype: Any) -> Any
 
 def part_speed(ctx: Context) -> dict[str, Any]:
     import torch
+
     from precision_suite import RunSpec, case_id, quant_error, run
 
     side = 128 if ctx.tiny else 4096
@@ -402,7 +405,7 @@ def part_speed(ctx: Context) -> dict[str, Any]:
     out = torch.empty_like(x)
     copy_s = median_seconds(lambda: out.copy_(x), ctx.device, repeats)
     metric = [{"format": fmt, "layout": f"{layout[0]}x{layout[1]}",
-               "seconds": (s := median_seconds(lambda: quant_error(x, fmt, layout), ctx.device, repeats)),
+               "seconds": (s := median_seconds(lambda fmt=fmt, layout=layout: quant_error(x, fmt, layout), ctx.device, repeats)),
                "ratio_to_copy": s / copy_s} for fmt, layout in SPEED_CASES]
     # probes, as tests/test_bench_probes.py: the default GPT in float32; one run, each step timed
     probes_spec = RunSpec(model="gpt", device=ctx.device, steps=21 if ctx.tiny else 41, sample_every=10,

@@ -21,10 +21,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from test_teeth import (scale_four_times_too_large, stale_quantized_weight, switched_on_late,  # noqa: E402
-                        wrong_scale)
-
 from precision_suite import cli  # noqa: E402
+from test_teeth import scale_four_times_too_large, stale_quantized_weight, switched_on_late, wrong_scale  # noqa: E402
 
 DEFAULT_CASES = ("vit-softmax-fp32", "gpt-softmax-fp8-block", "gpt-softmax-mxfp8-2d293d63", "gpt-softmax-nvfp4-2d293d63")
 PLANTS = {

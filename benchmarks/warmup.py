@@ -4,7 +4,7 @@
 
 For each format and orientation a new Python process times three calls of quant_error on a
 4096 x 4096 float32 tensor, compiled (the default) and eager (PRECISION_SUITE_COMPILE=0). The tax
-is call 1 minus the faster of calls 2 and 3; the goal is at most 3 s (issue 11). Call 1 includes
+is call 1 minus the faster of calls 2 and 3; the goal is at most 3 s. Call 1 includes
 importing torch.compile's machinery, which the first compiled call of any process pays.
 --cold first points inductor's caches at an empty folder, so the compiled rows include compiling
 the kernels (what the first run on a machine pays); without it they read whatever the cache

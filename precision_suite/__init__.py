@@ -13,7 +13,6 @@ from typing import Any
 from precision_suite.numerics import kernel_cache
 from precision_suite.version import __version__
 
-
 # The folder use_project_cache chose. A process started from this one inherits both variables;
 # if its settings differ (a rounding twin's ATEN_CPU_CAPABILITY), it must choose its own folder.
 KEYED_BY_US = "PRECISION_SUITE_KEYED_INDUCTOR_DIR"

@@ -13,10 +13,11 @@ import os
 import re
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO
 
-if TYPE_CHECKING:  # xarray is imported where datasets are read or written: checks.py stays light
+if TYPE_CHECKING:  # xarray is imported where datasets are read or written: verdicts.rules stays light
     import xarray as xr
 
 SCHEMA_VERSION = 3  # run-dataset schema (docs/architecture.md); bump on any layout change
@@ -87,7 +88,7 @@ def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True)
 
 def load_dataset(path: str | os.PathLike, engine: str = NETCDF_ENGINE) -> xr.Dataset:
     """Read a dataset written by `save_dataset` (or, with `engine="scipy"`, a netCDF classic file:
-    jobs/history.py's records) fully into memory (the file is closed after)."""
+    jobs/history_store.py's records) fully into memory (the file is closed after)."""
     import xarray as xr
 
     path = Path(path)

@@ -26,14 +26,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from precision_suite.verdicts.calibration import read_measured, statement_lines
+from precision_suite.verdicts.alarm_statement import read_measured, statement_lines
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from precision_suite.verdicts.checks import CaseVerdict, Finding, ProjectConfig
+    from precision_suite.jobs.reference import Reference
     from precision_suite.training.matrix import KnownViolation
     from precision_suite.training.runs import RunSpec
+    from precision_suite.verdicts.findings import CaseVerdict, Finding
+    from precision_suite.verdicts.project_config import ProjectConfig
+    from precision_suite.verdicts.rules import Rule
 
 CHART_PROPERTY = "precision_chart"  # user_properties name -> JUnit XML <property>
 CASE_PROPERTY = "precision_case"
@@ -58,7 +61,7 @@ class PrecisionSettings:
         """[tool.precision_suite] of the rootdir's pyproject.toml, parsed once per session."""
         if self._project is None:
             # lazy: rules are read only by sessions with a pyproject.toml, and pull in xarray
-            from precision_suite.verdicts.checks import load_project_config
+            from precision_suite.verdicts.project_config import load_project_config
 
             self._project = load_project_config(self.pyproject)
         return self._project
@@ -225,76 +228,33 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
                 rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
                 known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
     # lazy: xarray, torch and matplotlib load with the first precision check, not with pytest
-    import xarray as xr
-
     from precision_suite.files import safe_filename
-    from precision_suite.jobs.judging import judge_and_chart
-    from precision_suite.verdicts import baselines, checks, judge
+    from precision_suite.jobs.checking import judge_and_chart
+    from precision_suite.jobs.reference import Reference
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import default_regen_hint, in_default_matrix
 
-    problem = None  # pytest.fail is called outside the except blocks: no chained traceback
-    try:
-        project = settings.project()
-        call_rules = checks.parse_rules(rules)
-        known = judge.known_violations(known_violation)
-        baselines.resolve_tolerances(project.tolerances, tolerances)
-    except (ValueError, RuntimeError) as err:
-        problem = f"precision check configuration: {err}"
-    if problem:
-        _fail_unchecked(node, spec_or_dataset, problem)
-    ds = spec_or_dataset
-    if not isinstance(spec_or_dataset, xr.Dataset):
-        try:
-            ds = runner(spec_or_dataset)
-        except (ValueError, TypeError) as err:  # a bad spec: say what is wrong, no deep traceback
-            problem = f"precision run of {spec_or_dataset!r}: {err}"
-    if problem:
-        _fail_unchecked(node, spec_or_dataset, problem)
-    missing = [name for name in baselines.REQUIRED_ATTRS if name not in ds.attrs]
-    if missing:
-        _fail_unchecked(node, spec_or_dataset,
-                        f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
-                        "pass a RunSpec or a dataset made by precision_suite.run")
+    project, call_rules, known, ds = _prepare(node, settings, runner, spec_or_dataset, rules, tolerances,
+                                              known_violation)
     case = str(ds.attrs["case"])
-    path = baselines.baseline_path(settings.baseline_dir, case)
     hint = f"pytest '{node.nodeid}' --precision-regen"
-    if baselines.in_default_matrix(case):
-        hint += f"  (or: {baselines.default_regen_hint(case)})"
-
-    extra: list[Finding] = []
-    baseline = replay = stored_replay = None
+    if in_default_matrix(case):
+        hint += f"  (or: {default_regen_hint(case)})"
+    spec = None if _is_dataset(spec_or_dataset) else _as_spec(spec_or_dataset)
+    replay = None
     if settings.regen:
-        before = checks.check_rules(ds, project.rules, case) + checks.check_rules(ds, call_rules, case, strict=True)
-        if judge.blocks(checks.verdict(case, judge.excuse(before, known))):
-            extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
-                                        float("nan"), f"{case}: baseline {path} not written: a run "
-                                        "that breaks its rules is not golden"))
-        elif isinstance(spec_or_dataset, xr.Dataset):
-            extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
-                                        float("nan"), f"{case}: --precision-regen needs a RunSpec "
-                                        "(a baseline is a seed ensemble of the spec), not a dataset"))
-        else:
-            _regenerate(node, runner.with_device(_as_spec(spec_or_dataset)), settings.baseline_dir)
+        reference = Reference(case, project.rules, regen_hint=hint)
+        errors = _regenerate_unless_refused(node, settings, ds, None if spec is None else runner.with_device(spec),
+                                            project, call_rules, known)
     else:
-        try:
-            baseline = baselines.load_ensemble(path, expected_spec=ds.attrs["spec"],
-                                               expected_schema_version=int(ds.attrs["schema_version"]),
-                                               regen_hint=hint)
-        except baselines.BaselineError as err:
-            extra.append(checks.Finding(case, "error", "baseline", {}, float("nan"), float("nan"),
-                                        float("nan"), f"{case}: {err}"))
-        if baseline is not None and not isinstance(spec_or_dataset, xr.Dataset):
-            replay, stored_replay, problem = _replay(runner, _as_spec(spec_or_dataset), settings.baseline_dir,
-                                                     case, ds.attrs["spec"], hint)
-            if problem:
-                extra.append(checks.Finding(case, "error", "replay", {}, float("nan"), float("nan"),
-                                            float("nan"), f"{case}: {problem}"))
+        reference, replay = _reference_and_replay(runner, settings, ds, spec, project, hint)
+        errors = reference.errors()
     # charts and obtained files are named per test: two tests of one case never share one
     name = safe_filename(node.nodeid)
-    outcome = judge_and_chart(ds, baseline, rules=project.rules, case_rules=call_rules,
-                              tolerances=[project.tolerances, tolerances or {}], known=known,
+    outcome = judge_and_chart(ds, dataclasses.replace(reference, tolerances=(project.tolerances, tolerances or {})),
+                              case_rules=call_rules, known=known, replay=replay, extra_findings=errors,
                               chart_path=settings.report_dir / "charts" / f"{name}.png",
-                              obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
-                              regen_hint=hint, extra_findings=extra, replay=replay, stored_replay=stored_replay)
+                              obtained_path=settings.report_dir / "obtained" / f"{name}.nc")
     node.user_properties.append((CASE_PROPERTY, case))
     node.user_properties.append((STATUS_PROPERTY, outcome.status))
     for chart in outcome.charts:
@@ -304,20 +264,88 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     return outcome
 
 
-def _replay(runner: RunCache, spec: RunSpec, baseline_dir: Path, case: str, spec_json: str,
-            hint: str) -> tuple[xr.Dataset | None, xr.Dataset | None, str]:
-    """(the case's replay, its stored replay, a problem) for a spec whose case stores replays
-    (training.replays.replay_start); (None, None, "") for one that does not."""
-    from precision_suite.training.replays import replay_start
-    from precision_suite.verdicts import baselines, replays
+def _prepare(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
+             rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
+             known_violation: KnownViolation | Iterable[KnownViolation] | None
+             ) -> tuple[ProjectConfig, tuple[Rule, ...], tuple[KnownViolation, ...], xr.Dataset]:
+    """(the project's configuration, the call's rules, its known violations, the dataset to check);
+    the test fails unchecked, with one line saying what is wrong, when one of them is unusable."""
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import REQUIRED_ATTRS
+    from precision_suite.verdicts.rules import parse_rules
+    from precision_suite.verdicts.tolerances import resolve_tolerances
 
-    if replay_start(spec) is None:
-        return None, None, ""
+    problem = None  # pytest.fail is called outside the except blocks: no chained traceback
     try:
-        stored = replays.load_replay(baseline_dir, case, expected_spec=spec_json, regen_hint=hint)
-        return runner.replay(spec, stored), stored, ""
-    except (baselines.BaselineError, ValueError) as err:
-        return None, None, str(err)
+        project = settings.project()
+        call_rules = parse_rules(rules)
+        known = judge.known_violations(known_violation)
+        resolve_tolerances(project.tolerances, tolerances)
+    except (ValueError, RuntimeError) as err:
+        problem = f"precision check configuration: {err}"
+    if problem:
+        _fail_unchecked(node, spec_or_dataset, problem)
+    ds = spec_or_dataset
+    if not _is_dataset(spec_or_dataset):
+        try:
+            ds = runner(spec_or_dataset)
+        except (ValueError, TypeError) as err:  # a bad spec: say what is wrong, no deep traceback
+            problem = f"precision run of {spec_or_dataset!r}: {err}"
+    if problem:
+        _fail_unchecked(node, spec_or_dataset, problem)
+    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
+    if missing:
+        _fail_unchecked(node, spec_or_dataset,
+                        f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
+                        "pass a RunSpec or a dataset made by precision_suite.run")
+    return project, call_rules, known, ds
+
+
+def _reference_and_replay(runner: RunCache, settings: PrecisionSettings, ds: xr.Dataset, spec: RunSpec | None,
+                          project: ProjectConfig, hint: str) -> tuple[Reference, xr.Dataset | None]:
+    """The case's Reference (what could not be loaded: its `errors`) and, for a spec whose case
+    stores a replay (training.replays.replay_start), its replay from the stored state."""
+    from precision_suite.jobs.reference import REQUIRED, SKIPPED, load_reference
+    from precision_suite.training.replays import replay_start
+
+    replays = spec is not None and replay_start(spec) is not None
+    reference = load_reference(str(ds.attrs["case"]), ds.attrs["spec"], baseline_dir=settings.baseline_dir,
+                               project=project, regen_hint=hint, replay=REQUIRED if replays else SKIPPED,
+                               schema_version=int(ds.attrs["schema_version"]), strict=False)
+    if reference.stored_replay is None:
+        return reference, None
+    try:
+        return reference, runner.replay(spec, reference.stored_replay)
+    except ValueError as err:  # the stored state does not fit the spec's model
+        return dataclasses.replace(reference, stored_replay=None, missing={"replay": str(err)}), None
+
+
+def _regenerate_unless_refused(node: pytest.Item, settings: PrecisionSettings, ds: xr.Dataset,
+                               spec: RunSpec | None, project: ProjectConfig, call_rules: tuple[Rule, ...],
+                               known: tuple[KnownViolation, ...]) -> list[Finding]:
+    """Under --precision-regen: write the case's seed-ensemble baseline, unless the run breaks its
+    rules (it is not golden) or no spec says how to train it; the refusal as an error finding."""
+    from precision_suite.verdicts import judge
+    from precision_suite.verdicts.baseline_files import baseline_path
+    from precision_suite.verdicts.findings import Finding, verdict
+    from precision_suite.verdicts.rules import check_rules
+
+    case = str(ds.attrs["case"])
+    before = check_rules(ds, project.rules, case) + check_rules(ds, call_rules, case, strict=True)
+    if judge.blocks(verdict(case, judge.excuse(before, known))):
+        return [Finding.error(case, "baseline", f"baseline {baseline_path(settings.baseline_dir, case)} "
+                              "not written: a run that breaks its rules is not golden")]
+    if spec is None:
+        return [Finding.error(case, "baseline", "--precision-regen needs a RunSpec (a baseline is a seed "
+                              "ensemble of the spec), not a dataset")]
+    _regenerate(node, spec, settings.baseline_dir)
+    return []
+
+
+def _is_dataset(value: Any) -> bool:
+    import xarray as xr  # lazy: only once a precision check runs
+
+    return isinstance(value, xr.Dataset)
 
 
 def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> NoReturn:
@@ -344,7 +372,7 @@ def _as_spec(spec: Any) -> RunSpec:
 
 def _regenerate(node: pytest.Item, spec: RunSpec, baseline_dir: Path) -> None:
     """Write the seed-ensemble baseline, unless it already holds these numbers (no git churn)."""
-    from precision_suite.jobs.baselines import regenerate  # lazy: torch, only under --precision-regen
+    from precision_suite.jobs.regenerate import regenerate  # lazy: torch, only under --precision-regen
 
     for path, written in regenerate([spec], baseline_dir):
         if written:

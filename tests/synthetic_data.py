@@ -143,9 +143,14 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     import hashlib
 
     from precision_suite.files import load_dataset
-    from precision_suite.jobs.history import encode_record, host_of, record_path, store_schema, write_record
-    from precision_suite.verdicts import ensemble as ens
-    from precision_suite.verdicts import history
+    from precision_suite.jobs.history_store import (
+        encode_record,
+        host_of,
+        record_path,
+        store_schema,
+        write_record,
+    )
+    from precision_suite.verdicts.history_records import HEADLINE_METRICS, summarize
 
     store_schema(store, create=True)
     rng = np.random.default_rng(seed)
@@ -155,18 +160,18 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
         baseline = load_dataset(Path(baseline_dir) / f"{case}.nc")
         stored_path = Path(baseline_dir) / "replays" / f"{case}.nc"
         stored = load_dataset(stored_path) if stored_path.is_file() else None
-        first = history.summarize(baseline.isel(seed=0, drop=True), ensemble=baseline, replay=stored,
+        first = summarize(baseline.isel(seed=0, drop=True), ensemble=baseline, replay=stored,
                                   stored_replay=stored)
         host, fingerprint = host_of(baseline)
         record = None
         for i, sha in enumerate(shas):
             if i % epoch_every == 0:  # a commit that changes the numbers
                 record = first.copy(deep=True)
-                for metric in history.HEADLINE_METRICS:
+                for metric in HEADLINE_METRICS:
                     name = f"trained_{metric}"
                     if f"{name}_noise" in record:
                         record[name] = _redrawn(metric, record[name], record[f"{name}_noise"],
-                                                record.get("numel"), rng, ens)
+                                                record.get("numel"), rng)
                     if f"replay_{metric}_delta" in record:
                         noise = record[f"replay_{metric}_noise"]
                         delta = first[f"replay_{metric}_delta"]  # NaN where the replay measures nothing
@@ -187,14 +192,15 @@ def history_store(store, baseline_dir, cases, n_commits: int, *, epoch_every: in
     return shas
 
 
-def _redrawn(metric, values, noise, numel, rng, ens):
-    """`values` moved by a normal draw of `noise` in the detection space (verdicts/history.py)."""
-    from precision_suite.verdicts import history
+def _redrawn(metric, values, noise, numel, rng):
+    """`values` moved by a normal draw of `noise` in the detection space (`Space.detection`)."""
+    from precision_suite.numerics.metric_table import SPACES
 
-    n = None if numel is None or not history.is_count(metric) else numel.broadcast_like(values).values
-    y = history.detection_space(metric, values.values, n) + noise.values * rng.standard_normal(values.shape)
-    if history.is_count(metric):  # the inverse of 2 sqrt(count + 3/8)
+    space = SPACES[metric]
+    n = None if numel is None or not space.is_count else numel.broadcast_like(values).values
+    y = space.detection(values.values, n) + noise.values * rng.standard_normal(values.shape)
+    if space.is_count:  # the inverse of 2 sqrt(count + 3/8)
         moved = np.maximum((y / 2.0) ** 2 - 0.375, 0.0) / (1.0 if n is None else n)
     else:
-        moved = ens.inverse(metric, y)
+        moved = space.inverse(y)
     return values.copy(data=np.where(np.isfinite(moved), moved, values.values))

@@ -7,7 +7,6 @@ tests keep their meaning when a tolerance is retuned.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import threading
@@ -19,17 +18,14 @@ import xarray as xr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from precision_suite.verdicts.baselines import (
+from precision_suite.files import SCHEMA_VERSION
+from precision_suite.verdicts.baseline_files import BaselineError, baseline_path, load_baseline, save_baseline
+from precision_suite.verdicts.tolerances import (
     DEFAULT_TOLERANCES,
-    SCHEMA_VERSION,
-    BaselineError,
     Tolerance,
-    baseline_path,
     compare,
     deviation,
-    load_baseline,
     resolve_tolerances,
-    save_baseline,
     tolerance_band,
 )
 from synthetic_data import make_run_dataset

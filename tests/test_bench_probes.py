@@ -2,7 +2,7 @@
 
 Measure with ``make bench`` (``pytest tests/test_bench_probes.py --benchmark-enable -p no:xdist``).
 The reference is the plain training step: probes off, so every ``QuantLinear`` takes the
-``F.linear`` fast path. tests/conftest.py prints each ratio of medians against its goal (issue 11);
+``F.linear`` fast path. tests/conftest.py prints each ratio of medians against its goal;
 no test asserts a time. Without --benchmark-enable each mode runs once as a test.
 """
 

@@ -5,7 +5,7 @@
 Each format is a benchmark group: its reference `out.copy_(x)` (one read and one write of the
 tensor into a preallocated one: no allocation, no page faults), one read `x.sum()`, and
 quant_error in both orientations, measured one after the other so the reference sees the same
-host. tests/conftest.py prints each ratio of medians against its goal (issue 11); no test asserts
+host. tests/conftest.py prints each ratio of medians against its goal; no test asserts
 a time. Benchmarks are disabled by default (pyproject addopts), so in the normal suite each body
 runs once as a smoke test.
 """
@@ -27,7 +27,7 @@ FORMATS = {
     "nvfp4": (((1, 16), (16, 1)), 3.0),
 }
 SUBJECTS = [
-    pytest.param(fmt, subject, id=f"{fmt}-{subject if isinstance(subject, str) else '%dx%d' % subject}")
+    pytest.param(fmt, subject, id=f"{fmt}-{subject if isinstance(subject, str) else f'{subject[0]}x{subject[1]}'}")
     for fmt, (layouts, _) in FORMATS.items()
     for subject in ("copy", "read", *layouts)
 ]

@@ -23,9 +23,9 @@ from urllib.parse import unquote, urlparse
 import pytest
 
 from precision_suite import cli
-from precision_suite.reports import charts, reports
-from precision_suite.verdicts.baselines import compare
-from precision_suite.verdicts.checks import verdict
+from precision_suite.reports import canvas, drift_chart, reports
+from precision_suite.verdicts.findings import verdict
+from precision_suite.verdicts.tolerances import compare
 from synthetic_data import history_store, make_run_dataset
 
 REQUIRE_ENV = "PRECISION_SUITE_REQUIRE_BROWSER"
@@ -123,7 +123,7 @@ def _failing_report(folder: Path) -> Path:
         current["underflow"].loc[cell] = current["underflow"].loc[cell] + 0.1
     current["distortion"].loc[dict(layer=16)] = current["distortion"].loc[dict(layer=16)] - 0.01
     findings = compare(current, baseline)
-    drift = charts.save_figure(charts.plot_drift(current, baseline, findings), folder / "drift.png")
+    drift = canvas.save_figure(drift_chart.plot_drift(current, baseline, findings), folder / "drift.png")
     passing = [make_run_dataset(attention=name) for name in ("softmax", "x/1")]
     datasets = {ds.attrs["case"]: ds for ds in (current, *passing)}
     verdicts = [verdict(current.attrs["case"], findings, [str(drift)])]

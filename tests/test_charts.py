@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 from matplotlib.collections import PathCollection, PolyCollection
 
-from precision_suite.reports import charts
-from precision_suite.verdicts.baselines import compare, tolerance_band
-from precision_suite.verdicts.checks import Finding, check_rules
-from precision_suite.verdicts.ensemble import SPACES, compare_ensemble, make_ensemble
-from precision_suite.numerics.metric_table import METRICS
+from precision_suite.numerics.metric_table import METRICS, SPACES
+from precision_suite.reports import canvas, drift_chart, figures
+from precision_suite.verdicts.ensemble.build import make_ensemble
+from precision_suite.verdicts.ensemble.compare import compare_ensemble
+from precision_suite.verdicts.findings import Finding
+from precision_suite.verdicts.rules import check_rules
+from precision_suite.verdicts.tolerances import compare, tolerance_band
 from synthetic_data import make_run_dataset
 
 
@@ -25,7 +27,7 @@ def _texts(ax) -> str:
 def test_attention_norm_default_layers_one_line_per_variant_log_y():
     variants = {name: make_run_dataset(attention=name, depth=12, growth=g)
                 for name, g in (("softmax", 0.1), ("x/1", 1.0), ("x^3/sqrt(N)", 0.5))}
-    fig = charts.plot_attention_norm(variants)
+    fig = figures.plot_attention_norm(variants)
     axes = _data_axes(fig)
     assert [ax.get_title() for ax in axes] == ["layer 1", "layer 11"]  # an early and the last
     for ax, layer in zip(axes, (1, 11)):
@@ -45,7 +47,7 @@ def test_attention_norm_default_layers_one_line_per_variant_log_y():
 
 def test_attention_norm_single_run_title_names_the_case_and_tokens_axis():
     ds = make_run_dataset(depth=4)
-    fig = charts.plot_attention_norm({"softmax": ds}, layers=[0, 2, 3], x="tokens")
+    fig = figures.plot_attention_norm({"softmax": ds}, layers=[0, 2, 3], x="tokens")
     axes = _data_axes(fig)
     assert [ax.get_title() for ax in axes] == ["layer 0", "layer 2", "layer 3"]
     assert ds.attrs["case"] in fig.get_suptitle()
@@ -56,9 +58,9 @@ def test_attention_norm_single_run_title_names_the_case_and_tokens_axis():
 def test_softmax_bound_sqrt_n_is_drawn_where_the_run_records_n():
     variants = {name: make_run_dataset(attention=name, depth=4) for name in ("softmax", "x/1")}
     assert not any("bound" in line.get_label()
-                   for ax in _data_axes(charts.plot_attention_norm(variants)) for line in ax.get_lines())
+                   for ax in _data_axes(figures.plot_attention_norm(variants)) for line in ax.get_lines())
     variants["softmax"].attrs["N"] = variants["x/1"].attrs["N"] = 16
-    for ax in _data_axes(charts.plot_attention_norm(variants)):
+    for ax in _data_axes(figures.plot_attention_norm(variants)):
         (bound,) = [line for line in ax.get_lines() if "bound" in line.get_label()]
         assert bound.get_label() == "softmax bound √N = 4"  # only softmax has the bound
         np.testing.assert_array_equal(bound.get_ydata(), [4.0, 4.0])
@@ -69,7 +71,7 @@ def test_attention_norm_counts_points_a_log_axis_cannot_draw():
     ds = make_run_dataset(depth=3)
     ds["attention_norm"][1, 1] = np.nan
     ds["attention_norm"][2, 1] = 0.0
-    fig = charts.plot_attention_norm({"softmax": ds}, layers=[1])
+    fig = figures.plot_attention_norm({"softmax": ds}, layers=[1])
     assert "2 NaN/Inf/non-positive point(s) not drawn" in _texts(_data_axes(fig)[0])
 
 
@@ -81,12 +83,12 @@ def test_attention_norm_counts_points_a_log_axis_cannot_draw():
 def test_attention_norm_bad_arguments_say_what_to_do(kwargs, message):
     arguments = {"datasets": {"softmax": make_run_dataset(depth=4)}, **kwargs}
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        charts.plot_attention_norm(**arguments)
+        figures.plot_attention_norm(**arguments)
 
 
 def test_quant_error_is_a_2x3_grid_over_tokens_with_every_4th_layer():
     ds = make_run_dataset(model="gpt", recipe="fp8-block", depth=18)
-    fig = charts.plot_quant_error(ds)
+    fig = figures.plot_quant_error(ds)
     axes = _data_axes(fig)
     assert [ax.get_title() for ax in axes] == [
         "activations underflow (1,128)", "gradients underflow (1,128)",
@@ -109,7 +111,7 @@ def test_quant_error_is_a_2x3_grid_over_tokens_with_every_4th_layer():
 def test_quant_error_panel_of_an_unmeasured_pair_says_so():
     ds = make_run_dataset(depth=4)
     ds["underflow"].loc[dict(tensor="gradient_transpose", layout="128x1")] = np.nan
-    fig = charts.plot_quant_error(ds, layers=[0, 3])
+    fig = figures.plot_quant_error(ds, layers=[0, 3])
     top_right = _data_axes(fig)[2]
     assert top_right.get_lines() == []
     assert "not measured" in _texts(top_right)
@@ -119,7 +121,7 @@ def test_quant_error_panel_of_an_unmeasured_pair_says_so():
 def test_quant_error_rejects_a_dataset_without_the_schema():
     ds = make_run_dataset(depth=4).drop_vars("distortion")
     with pytest.raises(ValueError, match="lacks distortion"):
-        charts.plot_quant_error(ds)
+        figures.plot_quant_error(ds)
 
 
 def _planted_regression():
@@ -135,7 +137,7 @@ def test_drift_chart_draws_current_baseline_band_and_marks_the_offending_step():
     findings = compare(current, baseline)
     regressions = [f for f in findings if f.kind == "regression"]
     assert [f.metric for f in regressions] == ["underflow"] and regressions[0].where["layer"] == 4
-    fig = charts.plot_drift(current, baseline, findings)
+    fig = drift_chart.plot_drift(current, baseline, findings)
     (ax,) = _data_axes(fig)
     assert ax.get_title() == "underflow gradient_transpose 128x1"
     assert current.attrs["case"] in fig.get_suptitle()
@@ -157,7 +159,7 @@ def test_drift_chart_of_threshold_findings_draws_the_bound_without_a_baseline():
     ds = make_run_dataset(depth=4, growth=1.0)
     findings = check_rules(ds, ["attention_norm <= 20 @ layer=3"])
     assert findings and all(f.kind == "threshold" for f in findings)
-    fig = charts.plot_drift(ds, None, findings)
+    fig = drift_chart.plot_drift(ds, None, findings)
     (ax,) = _data_axes(fig)
     assert ax.get_yscale() == "log"
     labels = [line.get_label() for line in ax.get_lines()]
@@ -176,20 +178,20 @@ def test_drift_chart_draws_the_worst_panels_and_names_the_ones_left_out():
                         {"layer": 1, "tensor": t, "layout": lo, "step": 10},
                         0.5, 0.4, 0.1, f"{metric} {t} {lo}", score=float(i))
                 for i, (metric, (t, lo)) in enumerate(panels)]
-    assert len(findings) > charts.MAX_DRIFT_PANELS
-    fig = charts.plot_drift(current, baseline, findings)
+    assert len(findings) > drift_chart.MAX_DRIFT_PANELS
+    fig = drift_chart.plot_drift(current, baseline, findings)
     titles = [ax.get_title() for ax in _data_axes(fig)]
-    worst_first = sorted(findings, key=lambda f: -f.score)[:charts.MAX_DRIFT_PANELS]
+    worst_first = sorted(findings, key=lambda f: -f.score)[:drift_chart.MAX_DRIFT_PANELS]
     assert titles == [f"{f.metric} {f.where['tensor']} {f.where['layout']}" for f in worst_first]
     note = " ".join(t.get_text() for t in fig.texts)
-    assert f"{len(findings) - charts.MAX_DRIFT_PANELS} more panel(s) with findings not drawn" in note
-    assert f"the {charts.MAX_DRIFT_PANELS} worst of {len(findings)} panels" in fig.get_suptitle()
+    assert f"{len(findings) - drift_chart.MAX_DRIFT_PANELS} more panel(s) with findings not drawn" in note
+    assert f"the {drift_chart.MAX_DRIFT_PANELS} worst of {len(findings)} panels" in fig.get_suptitle()
 
 
 def test_drift_chart_without_chartable_findings_says_so():
     ds = make_run_dataset(depth=2)
     error = Finding(ds.attrs["case"], "error", "underflow", {}, np.nan, np.nan, np.nan, "no baseline")
-    fig = charts.plot_drift(ds, None, [error])
+    fig = drift_chart.plot_drift(ds, None, [error])
     assert "no per-metric findings" in " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
 
 
@@ -197,7 +199,7 @@ def test_drift_chart_without_chartable_findings_says_so():
 def test_same_input_gives_identical_file_bytes(tmp_path, suffix):
     def draw(name):
         ds = make_run_dataset(model="gpt", depth=9, seed=3)
-        return charts.save_figure(charts.plot_quant_error(ds), tmp_path / f"{name}.{suffix}")
+        return canvas.save_figure(figures.plot_quant_error(ds), tmp_path / f"{name}.{suffix}")
 
     first, second = draw("a"), draw("b")
     assert first.read_bytes() == second.read_bytes()
@@ -207,10 +209,10 @@ def test_same_input_gives_identical_file_bytes(tmp_path, suffix):
 def test_png_charts_are_palette_images_under_half_the_plain_size(tmp_path):
     from PIL import Image
 
-    fig = charts.plot_quant_error(make_run_dataset(model="gpt", depth=18))
-    path = charts.save_figure(fig, tmp_path / "chart.png")
+    fig = figures.plot_quant_error(make_run_dataset(model="gpt", depth=18))
+    path = canvas.save_figure(fig, tmp_path / "chart.png")
     plain = tmp_path / "plain.png"
-    fig.savefig(plain, dpi=charts.DPI)
+    fig.savefig(plain, dpi=canvas.DPI)
     with Image.open(path) as image, Image.open(plain) as reference:
         assert image.mode == "P" and image.size == reference.size
         # the palette keeps the picture: every pixel within a few levels of the full-colour one
@@ -221,15 +223,15 @@ def test_png_charts_are_palette_images_under_half_the_plain_size(tmp_path):
 
 
 def test_different_input_gives_different_bytes(tmp_path):
-    a = charts.save_figure(charts.plot_quant_error(make_run_dataset(seed=1)), tmp_path / "a.png")
-    b = charts.save_figure(charts.plot_quant_error(make_run_dataset(seed=2)), tmp_path / "b.png")
+    a = canvas.save_figure(figures.plot_quant_error(make_run_dataset(seed=1)), tmp_path / "a.png")
+    b = canvas.save_figure(figures.plot_quant_error(make_run_dataset(seed=2)), tmp_path / "b.png")
     assert a.read_bytes() != b.read_bytes()
 
 
 def test_save_figure_rejects_unknown_file_types(tmp_path):
-    fig = charts.plot_attention_norm({"softmax": make_run_dataset(depth=2)})
+    fig = figures.plot_attention_norm({"softmax": make_run_dataset(depth=2)})
     with pytest.raises(ValueError, match=r"\.png, \.svg or \.pdf"):
-        charts.save_figure(fig, tmp_path / "chart.jpeg")
+        canvas.save_figure(fig, tmp_path / "chart.jpeg")
 
 
 def _step0_regression(elements_now: int):
@@ -254,7 +256,7 @@ def _step0_regression(elements_now: int):
 def test_a_count_panel_spanning_decades_has_a_symlog_axis_down_to_one_element():
     current, ensemble, numel = _step0_regression(8)
     findings = compare_ensemble(current, ensemble)
-    fig = charts.plot_drift(current, ensemble, findings)
+    fig = drift_chart.plot_drift(current, ensemble, findings)
     ax = _data_axes(fig)[0]
     assert ax.get_title() == "underflow activation 1x128"
     assert ax.get_yscale() == "symlog"
@@ -264,7 +266,7 @@ def test_a_count_panel_spanning_decades_has_a_symlog_axis_down_to_one_element():
 
 def test_a_fraction_panel_within_a_decade_stays_linear():
     current, baseline, _ = _planted_regression()  # 3-9% underflow: a linear axis shows it
-    fig = charts.plot_drift(current, baseline, compare(current, baseline))
+    fig = drift_chart.plot_drift(current, baseline, compare(current, baseline))
     assert _data_axes(fig)[0].get_yscale() == "linear"
 
 
@@ -272,7 +274,7 @@ def test_a_first_point_finding_gets_a_zoom_with_the_member_seed_and_counts_in_el
     current, ensemble, numel = _step0_regression(8)
     findings = compare_ensemble(current, ensemble)
     assert [(f.metric, f.where["layer"], f.where["step"]) for f in findings] == [("underflow", 2, 0)]
-    fig = charts.plot_drift(current, ensemble, findings)
+    fig = drift_chart.plot_drift(current, ensemble, findings)
     panel, zoom = _data_axes(fig)
     assert zoom.get_title() == "first point (step 0), zoomed"
     assert zoom.get_ylabel() == "elements"
@@ -287,5 +289,5 @@ def test_a_first_point_finding_gets_a_zoom_with_the_member_seed_and_counts_in_el
 
 def test_findings_after_the_first_point_get_no_zoom():
     current, baseline, _ = _planted_regression()
-    fig = charts.plot_drift(current, baseline, compare(current, baseline))
+    fig = drift_chart.plot_drift(current, baseline, compare(current, baseline))
     assert len(_data_axes(fig)) == 1

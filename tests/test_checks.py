@@ -12,20 +12,18 @@ import xarray as xr
 from hypothesis import given
 from hypothesis import strategies as st
 
-from precision_suite.verdicts.checks import (
+from precision_suite.training.matrix import KnownViolation
+from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
+from precision_suite.verdicts.judge import blocks, judge_case, known_violations
+from precision_suite.verdicts.project_config import load_project_config
+from precision_suite.verdicts.rules import (
     BoundRule,
-    CaseVerdict,
-    Finding,
     GrowthRule,
     check_rules,
     evaluate_expression,
-    load_project_config,
     parse_rule,
     parse_rules,
-    verdict,
 )
-from precision_suite.training.matrix import KnownViolation
-from precision_suite.verdicts.judge import blocks, judge_case, known_violations
 from synthetic_data import make_run_dataset
 
 REPO_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

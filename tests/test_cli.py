@@ -7,19 +7,21 @@ these tests check the command line itself in seconds; one test at the end trains
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from precision_suite import __version__, cli, files
-from precision_suite.verdicts import calibration
 from precision_suite.jobs import execution
+from precision_suite.jobs.selection import config_specs
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training import matrix, runs
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
-from precision_suite.jobs.selection import config_specs
 from precision_suite.training.runs import RunSpec, case_id
+from precision_suite.verdicts import alarm_statement
+from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
 from synthetic_data import fake_replays, make_run_dataset
 
 TINY_CONFIG = """
@@ -85,6 +87,19 @@ def test_version_and_help_exit_zero(capsys):
     for command in ("run", "compare", "baseline", "report"):
         assert command in help_text
     assert "exit status" in help_text
+
+
+def test_help_answers_without_loading_torch_xarray_or_matplotlib():
+    """Every command's --help, and --version, in a fresh interpreter: the command modules import
+    their jobs only when they run."""
+    code = ("import sys\n"
+            "from precision_suite import cli\n"
+            "commands = [[c.name] for c in cli.COMMANDS]\n"
+            "commands += [[c.name, a.name] for c in cli.COMMANDS for a in getattr(c, 'actions', ())]\n"
+            "codes = {cli.main([*words, '--help']) for words in [[], *commands]} | {cli.main(['--version'])}\n"
+            "print(codes, [m for m in ('torch', 'xarray', 'matplotlib') if m in sys.modules])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "{0} []"
 
 
 def test_no_command_and_unknown_flags_are_usage_errors(capsys):
@@ -324,7 +339,7 @@ def test_calibrate_measures_false_alarms_and_every_later_report_states_them(work
     runs = trained + replays + 8
     assert (f"{runs} judged: {trained} perturbed runs (with their replays), {replays} replays against a "
             "tolerance measured without their twin, 8 members left out of their ensemble; 0 with a FAIL") in out
-    measured = json.loads(calibration.measured_path(workdir / "baselines").read_text())
+    measured = json.loads(alarm_statement.measured_path(workdir / "baselines").read_text())
     assert (measured["runs"], measured["runs_with_alarms"]) == (runs, 0)
     assert {"seed 3 left out", "ATen default kernels"} <= set(measured["perturbations"])
 

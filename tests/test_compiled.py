@@ -31,7 +31,7 @@ def hard_tensor(seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("fmt, layout", CASES, ids=lambda v: v if isinstance(v, str) else "%dx%d" % v)
+@pytest.mark.parametrize("fmt, layout", CASES, ids=lambda v: v if isinstance(v, str) else f"{v[0]}x{v[1]}")
 def test_compiled_quantizers_agree_with_eager_bit_for_bit(fmt, layout, monkeypatch):
     x = hard_tensor()
     compiled_q, compiled_m = quantize(x, fmt, layout), quant_error(x, fmt, layout)

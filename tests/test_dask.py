@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import os
 import shutil
 import signal
@@ -25,13 +24,14 @@ from types import SimpleNamespace
 
 import distributed
 import pytest
+import tomllib
 import xarray as xr
 
 import precision_suite
 from precision_suite import cli, files
 from precision_suite.jobs import execution
-from precision_suite.training import runs
 from precision_suite.jobs.execution import Task
+from precision_suite.training import runs
 
 # Two tiny cases: about half a second per run on two busy cores. The CLI tests train the first
 # (its ensemble is 12 runs: 4 seeds and their first steps with 2 threads and with eager kernels).
@@ -70,7 +70,7 @@ TRAINING_ENV = {"PRECISION_SUITE_COMPILE": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 SERIAL_SCRIPT = """
 import sys
 from pathlib import Path
-from precision_suite.jobs import baselines, execution
+from precision_suite.jobs import execution, regenerate
 from precision_suite import files
 from precision_suite.training import runs
 
@@ -78,7 +78,7 @@ folder = Path(sys.argv[1])
 specs = [runs.RunSpec(**case) for case in files.read_toml(folder / "tiny.toml")["case"]]
 for spec, ds in zip(specs, execution.run_tasks([execution.Task(spec) for spec in specs], workers=1)):
     files.save_dataset(ds, folder / "runs" / f"{runs.case_id(spec)}.nc")
-baselines.regenerate(specs[:1], folder / "baselines", workers=1)
+regenerate.regenerate(specs[:1], folder / "baselines", workers=1)
 """
 
 
@@ -316,7 +316,7 @@ def test_a_server_that_is_not_a_dask_scheduler_is_a_usage_error(workdir, capfd, 
                 connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 8)
 
     threading.Thread(target=serve, daemon=True).start()
-    address = "tcp://127.0.0.1:%d" % listener.getsockname()[1]
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     try:
         assert cli.main(["baseline", "update", "--config", "tiny.toml", "--case", CASE,
                          "--scheduler", address]) == 2

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from precision_suite import cli
-from precision_suite.jobs import diff
-from precision_suite.jobs.diff import Measurement
+from precision_suite.jobs import two_commits
+from precision_suite.jobs.two_commits import Measurement
 from precision_suite.verdicts.differences import Difference
 
 MODEL = '''"""A user's model: one attention block (F.scaled_dot_product_attention) and an MLP."""
@@ -135,13 +135,13 @@ def worktrees(repo: Path) -> list[str]:
 def interpreters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
     """The options of every `train_specs` interpreter diff starts, in order."""
     started: list[tuple[str, ...]] = []
-    fresh = diff.fresh_interpreter
+    fresh = two_commits.fresh_interpreter
 
     def counted(module: str, *args: str) -> list[str]:
         started.append(args[2:])  # after SPECS.json and OUT
         return fresh(module, *args)
 
-    monkeypatch.setattr(diff, "fresh_interpreter", counted)
+    monkeypatch.setattr(two_commits, "fresh_interpreter", counted)
     return started
 
 

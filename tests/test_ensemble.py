@@ -6,19 +6,26 @@ is checked on both sides: the unchanged case passes, the change fails.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 
 import numpy as np
 import pytest
 import xarray as xr
 
 from precision_suite import cli
-from precision_suite.verdicts.baselines import BaselineError, load_ensemble, save_baseline
-from precision_suite.verdicts.ensemble import (FIRST_STEP_FLIPS, FIRST_STEP_SAFETY, SPACES, EnsembleError,
-                                              compare_ensemble, count_allowance, first_step_count_noise,
-                                              first_step_tolerance, leave_one_out, make_ensemble)
+from precision_suite.numerics.metric_table import SPACES
+from precision_suite.verdicts.baseline_files import BaselineError, load_ensemble, save_baseline
+from precision_suite.verdicts.ensemble.build import leave_one_out, make_ensemble
+from precision_suite.verdicts.ensemble.compare import compare_ensemble
+from precision_suite.verdicts.ensemble.first_point import (
+    FIRST_STEP_FLIPS,
+    FIRST_STEP_SAFETY,
+    count_allowance,
+    first_step_count_noise,
+    first_step_tolerance,
+)
+from precision_suite.verdicts.ensemble.series import EnsembleError
 from synthetic_data import make_run_dataset
 
 SEEDS = (0, 1, 2, 3)
@@ -216,7 +223,8 @@ def test_each_member_left_out_is_judged_as_a_seed_outside_the_rest():
 
 
 def test_the_case_level_band_is_a_student_t_band_that_tends_to_the_normal_one():
-    from precision_suite.verdicts.ensemble import mean_z_band, z_threshold
+    from precision_suite.verdicts.ensemble.compare import mean_z_band
+    from precision_suite.verdicts.ensemble.series import z_threshold
 
     metrics = len(SPACES)
     bands = [mean_z_band(1.0, n, metrics) for n in (3, 6, 30, 10**6)]
@@ -228,9 +236,9 @@ def test_the_case_level_band_is_a_student_t_band_that_tends_to_the_normal_one():
 def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_alone():
     """A change that moves every series of a metric by less than the series band, but the mean
     of their medians beyond its band measured from runs of other seeds."""
-    from precision_suite.verdicts.baselines import build_ensemble
-    from precision_suite.verdicts.ensemble import (_series, all_series, mean_z_band, series_median_z, spread,
-                                                   trained_threshold)
+    from precision_suite.verdicts.ensemble.build import build_ensemble
+    from precision_suite.verdicts.ensemble.compare import mean_z_band, series_median_z
+    from precision_suite.verdicts.ensemble.series import all_series, metric_series, spread, trained_threshold
 
     held_out = (4, 5)
     ensemble = build_ensemble([make_run_dataset(seed=s) for s in (*SEEDS, *held_out)], len(SEEDS), len(held_out))
@@ -238,7 +246,7 @@ def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_al
     band = mean_z_band(sigma, int(n), len(json.loads(ensemble.attrs["trained_mean_z_spread"])))
     current = make_run_dataset(seed=100)
     assert compare_ensemble(current, ensemble) == []
-    s = _series("distortion", current, ensemble)
+    s = metric_series("distortion", current, ensemble)
     medians = series_median_z(s)
     shift = band - float(np.nanmean(medians)) + 0.5  # spreads added to every trained point
     series_band = trained_threshold(sum(len(x.groups) for x in all_series(current, ensemble)))

@@ -11,9 +11,9 @@ import pytest
 import xarray as xr
 
 from precision_suite.jobs import execution
-from precision_suite.training import matrix, runs
 from precision_suite.jobs.execution import Task
 from precision_suite.jobs.twins import rounding_twins
+from precision_suite.training import matrix, runs
 from precision_suite.training.runs import RunSpec
 
 

@@ -12,10 +12,9 @@ import torch
 
 pytest.importorskip("transformers", reason='needs the test extra: pip install -e ".[test]"')
 
+import hf_models  # noqa: E402  (tests/ is on sys.path)
 from precision_suite import instrument  # noqa: E402
 from precision_suite.training.data import text_batch  # noqa: E402
-
-import hf_models  # noqa: E402  (tests/ is on sys.path)
 
 
 def test_llama_gemms_and_sdpa_attention_are_recorded_per_module():

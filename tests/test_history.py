@@ -1,10 +1,11 @@
 """`precision-suite history record` and `history report` on real git and real files: the toy
 package of tests/test_diff.py trained and recorded at each of its 8 commits (commit 5 plants a
 numerics change after step 0), a concurrent record, every bad input; and the step detection's
-laws on synthetic series (verdicts/history.py)."""
+laws on synthetic series (verdicts/history_steps.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import cli
-from precision_suite.verdicts import history
+from precision_suite.numerics.metric_table import POISSON_SPREAD, SPACES
+from precision_suite.verdicts import history_records, history_steps
 from synthetic_data import history_store
 from test_diff import git, make_toy_repo
 
@@ -196,7 +198,7 @@ def test_damaged_records_and_empty_selections_are_one_line(toy_history, tmp_path
     record.write_bytes(record.read_bytes()[:200])  # cut short
     assert "is unreadable" in _usage_error(["history", "report", "--store", str(store), *report], capsys)
     from precision_suite.files import load_dataset
-    from precision_suite.jobs.history import encode_record, write_record
+    from precision_suite.jobs.history_store import encode_record, write_record
 
     whole = load_dataset(sorted(toy_history["store"].glob("*/*/*.nc"))[0], engine="scipy")
     del whole.attrs["commit_depth"]  # a record written by something else
@@ -217,7 +219,7 @@ def test_a_shallow_clone_is_refused(toy_history, tmp_path, monkeypatch, capsys):
 def test_a_store_being_created_by_another_recorder_is_not_foreign(tmp_path):
     """Another recorder's temp marker (files.atomic_path names it .<name>.<uuid>.tmp) does not make
     the folder 'not a store': both recorders create it."""
-    from precision_suite.jobs.history import STORE_MARKER, store_schema
+    from precision_suite.jobs.history_store import STORE_MARKER, store_schema
 
     store = tmp_path / "store"
     store.mkdir()
@@ -237,7 +239,7 @@ def test_a_store_of_the_default_matrix_finds_the_plants_and_no_other_step(tmp_pa
     cases = ["gpt-softmax-fp8-block", "vit-softmax-fp32", "gpt-softmax-nvfp4-2d293d63"]
     shas = history_store(tmp_path / "store", BASELINES, cases, 40,
                          plant=("gpt-softmax-fp8-block", "underflow", cell, 16.0, 10.0, 22))
-    from precision_suite.jobs.history import load_histories
+    from precision_suite.jobs.history_store import load_histories
     from precision_suite.jobs.selection import Selection
 
     found = {c.case: c for c in load_histories(tmp_path / "store", Selection(), None)}
@@ -253,12 +255,12 @@ def test_counts_have_unit_spread_in_the_detection_space_at_any_level(level):
     """Anscombe: 2 sqrt(c + 3/8) of Poisson counts has spread 1 (within 5% from 5 counts up),
     which is what lets one noise floor serve a count at 5 and at 1e5."""
     counts = np.random.default_rng(0).poisson(level, 20_000)
-    spread = history.detection_space("underflow", counts / 1e6, np.full(counts.shape, 1e6)).std()
-    assert abs(spread - history.POISSON_SPREAD) < 0.05 + 4 / np.sqrt(2 * counts.size)
+    spread = SPACES["underflow"].detection(counts / 1e6, np.full(counts.shape, 1e6)).std()
+    assert abs(spread - POISSON_SPREAD) < 0.05 + 4 / np.sqrt(2 * counts.size)
 
 
 def test_unchanged_commits_are_one_epoch():
-    starts, values = history.epochs(np.array([1.0, 1.0, np.nan, 1.0, 2.0, 2.0, 1.0]))
+    starts, values = history_steps.epochs(np.array([1.0, 1.0, np.nan, 1.0, 2.0, 2.0, 1.0]))
     assert starts.tolist() == [0, 4, 6] and values.tolist() == [1.0, 2.0, 1.0]
 
 
@@ -274,14 +276,14 @@ def test_null_series_give_no_step_at_the_design_rate_and_a_step_is_found_where_i
     for _ in range(n_series // layers + 1):
         noise = float(np.sqrt(rng.standard_normal((layers, seeds)).var(axis=1, ddof=1).mean()))
         dof = layers * (seeds - 1)
-        penalty = lambda epochs: history.step_penalty(n_series, epochs, dof)  # noqa: E731
-        false += sum(bool(history.change_points(rng.standard_normal(n), noise, penalty)) for _ in range(layers))
+        penalty = functools.partial(history_steps.step_penalty, n_series, dof=dof)
+        false += sum(bool(history_steps.change_points(rng.standard_normal(n), noise, penalty)) for _ in range(layers))
     assert false == 0
     y = rng.standard_normal(n)
     y[17:] += 8.0
-    penalty = lambda epochs: history.step_penalty(n_series, epochs, 54)  # noqa: E731
-    assert history.change_points(y, 1.0, penalty) == [17]
-    assert history.change_points(np.repeat(y, 3), 1.0, penalty) == [51]  # repeated commits are one epoch
+    penalty = lambda epochs: history_steps.step_penalty(n_series, epochs, 54)  # noqa: E731
+    assert history_steps.change_points(y, 1.0, penalty) == [17]
+    assert history_steps.change_points(np.repeat(y, 3), 1.0, penalty) == [51]  # repeated commits are one epoch
 
 
 def test_a_seed_estimated_noise_needs_the_t_penalty():
@@ -292,8 +294,8 @@ def test_a_seed_estimated_noise_needs_the_t_penalty():
     n_series, n = 300, 20
     noises = np.sqrt(rng.standard_normal((n_series, 4)).var(axis=1, ddof=1))
     series = rng.standard_normal((n_series, n))
-    normal = sum(bool(history.change_points(y, s, lambda e: history.step_penalty(n_series, e))) for y, s in zip(series, noises))
-    student = sum(bool(history.change_points(y, s, lambda e: history.step_penalty(n_series, e, 3)))
+    normal = sum(bool(history_steps.change_points(y, s, lambda e: history_steps.step_penalty(n_series, e))) for y, s in zip(series, noises))
+    student = sum(bool(history_steps.change_points(y, s, lambda e: history_steps.step_penalty(n_series, e, 3)))
                   for y, s in zip(series, noises))
     assert normal > 0 and student == 0
 
@@ -305,14 +307,14 @@ def test_a_run_whose_every_trained_point_is_nan_is_recorded_as_diverged():
 
     run = load_dataset(BASELINES / "vit-softmax-fp32.nc").isel(seed=0, drop=True)
     diverged = run.assign(loss=run["loss"].where(run["train_step"] == 0))
-    assert float(history.summarize(diverged)["trained_loss_nonfinite"]) == 1.0
-    assert float(history.summarize(run)["trained_loss_nonfinite"]) == 0.0
-    unmeasured = history.summarize(run)["trained_underflow_nonfinite"].sel(tensor="activation", layout="128x1")
+    assert float(history_records.summarize(diverged)["trained_loss_nonfinite"]) == 1.0
+    assert float(history_records.summarize(run)["trained_loss_nonfinite"]) == 0.0
+    unmeasured = history_records.summarize(run)["trained_underflow_nonfinite"].sel(tensor="activation", layout="128x1")
     assert unmeasured.isnull().all()  # a pair the run never measures stays unmeasured
 
 
 def test_a_series_that_turns_non_finite_is_a_step():
-    series = history.Series("trained", "loss", {}, np.array([2.0, 2.0, np.nan, np.nan]), np.array([0.7, 0.7, np.nan, np.nan]),
+    series = history_steps.Series("trained", "loss", {}, np.array([2.0, 2.0, np.nan, np.nan]), np.array([0.7, 0.7, np.nan, np.nan]),
                             0.02, 54, np.array([0.0, 0.0, 0.4, 1.0]))
-    (step,) = history.find_steps([series])
+    (step,) = history_steps.find_steps([series])
     assert step.index == 2 and step.nonfinite and "NaN or Inf at 40% of the trained points" in step.describe()

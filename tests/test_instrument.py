@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precision_suite.training import recorder as recorder_module
-from precision_suite.training.recorder import instrument, register_linear
 from precision_suite.numerics.metrics import quant_stats
+from precision_suite.training import recorder as recorder_module
 from precision_suite.training.models import build_model, model_config
 from precision_suite.training.probes import FP8_BLOCK
 from precision_suite.training.recipes import set_recipe
+from precision_suite.training.recorder import instrument, register_linear
 from precision_suite.training.views import layer_index, module_view
 
 
@@ -271,7 +271,7 @@ def test_nonfinite_inputs_are_counted_not_crashed_on():
 
 
 def test_rules_work_per_module_and_project_rules_skip_what_a_user_model_lacks():
-    from precision_suite.verdicts.checks import check_rules
+    from precision_suite.verdicts.rules import check_rules
 
     model = UserModel()
     rec = instrument(model)

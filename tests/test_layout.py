@@ -1,5 +1,5 @@
 """The package layout shows the data flow: numerics -> training -> verdicts -> reports -> jobs ->
-(cli, plugin, __init__). A module may import its own package and those before it, never one after;
+(commands, cli, plugin, __init__). A module may import its own package and those before it, never one after;
 numerics imports nothing else of precision_suite. Every import counts, function-local and
 TYPE_CHECKING ones too (docs/architecture.md)."""
 
@@ -16,7 +16,7 @@ import precision_suite
 PACKAGE_ROOT = Path(precision_suite.__file__).resolve().parent
 # rank of each layer; the leaf modules files and version import nothing of the package
 ORDER = {"files": 0, "version": 0, "numerics": 1, "training": 2, "verdicts": 3, "reports": 4, "jobs": 5,
-         "cli": 6, "plugin": 6, "__init__": 6}
+         "commands": 6, "cli": 6, "plugin": 6, "__init__": 6}
 PACKAGES = ("numerics", "training", "verdicts", "reports", "jobs")
 
 

@@ -14,8 +14,9 @@ import pytest
 
 from precision_suite.training.matrix import KNOWN_VIOLATIONS, QUICK_CASES, default_matrix
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts.checks import load_project_config, parse_rule
 from precision_suite.verdicts.judge import known_violations
+from precision_suite.verdicts.project_config import load_project_config
+from precision_suite.verdicts.rules import parse_rule
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

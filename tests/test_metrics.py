@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quant_error, quant_stats, quantize
-from precision_suite.numerics import strategies as pst
 from precision_suite.numerics import quantization
+from precision_suite.numerics import strategies as pst
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

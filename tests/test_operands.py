@@ -1,4 +1,4 @@
-"""What the GEMMs consumed (issue 22, part 3): on sampled steps every operand a recipe's
+"""What the GEMMs consumed: on sampled steps every operand a recipe's
 QuantLinearFn consumes is compared with a fresh quantization of the live tensor it came from
 (`operand_mismatch`), and any nonzero count fails the case. Unchanged code records zero for every
 recipe; planted recipe bugs (a stale weight cache, a transposed block axis, a wrong format) are
@@ -16,18 +16,29 @@ import xarray as xr
 from torch import nn
 
 from precision_suite.numerics.quantization import quantize
-from precision_suite.reports import charts
+from precision_suite.reports import drift_chart
 from precision_suite.training import recipes
 from precision_suite.training.matrix import KnownViolation
 from precision_suite.training.probes import transpose_layout
-from precision_suite.training.recorder import instrument
 from precision_suite.training.recipes import (
-    GEMM_OPERANDS, HIGH_PRECISION, NAMED_RECIPES, RECIPES_ENV, Gemm, Operand, QuantLinear, Recipe,
-    add_operand_observer, get_recipe, recipes_environment, set_recipe)
+    GEMM_OPERANDS,
+    HIGH_PRECISION,
+    NAMED_RECIPES,
+    Gemm,
+    Operand,
+    QuantLinear,
+    Recipe,
+    add_operand_observer,
+    get_recipe,
+    recipes_environment,
+    set_recipe,
+)
+from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, run
 from precision_suite.training.views import module_view
-from precision_suite.verdicts.checks import check_operands, check_rules
 from precision_suite.verdicts.judge import judge_case
+from precision_suite.verdicts.operand_invariant import check_operands
+from precision_suite.verdicts.rules import check_rules
 
 BLOCK_MODULES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]
 # every way an operand is declared: fp32 kept, bf16 cast, stochastic e5m2, a Hadamard-rotated wgrad
@@ -221,7 +232,7 @@ def test_a_stale_weight_cache_is_caught_at_the_first_sampled_step_after_the_weig
     qkv = next(f for f in findings if f.where == {"module": "blocks.0.attn.qkv", "operand": "fprop.b", "step": 1})
     assert "differ from a fresh e4m3 128x128 quantization of the live tensor" in qkv.message
     assert "(and at 1 later sampled step)" in qkv.message
-    charts.plot_drift(ds, None, findings)  # a failing case's chart draws these panels
+    drift_chart.plot_drift(ds, None, findings)  # a failing case's chart draws these panels
 
 
 def test_a_weight_quantized_along_the_wrong_axis_is_caught(monkeypatch):

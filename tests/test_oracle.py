@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quantize
+from precision_suite.numerics import strategies as pst
 from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, ElementType, Format
 from precision_suite.numerics.quantization import round_by_bits, round_to_element
-from precision_suite.numerics import strategies as pst
 
 F32 = np.float32
 FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}

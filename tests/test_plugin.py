@@ -40,11 +40,10 @@ import pytest
 from precision_suite import files
 from precision_suite.files import safe_filename
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts import calibration
-from precision_suite.verdicts.baselines import baseline_path
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
-from precision_suite.verdicts.replays import replay_path
-
+from precision_suite.verdicts import alarm_statement
+from precision_suite.verdicts.baseline_files import baseline_path
+from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
+from precision_suite.verdicts.stored_replays import replay_path
 
 TESTS_DIR = Path(__file__).resolve().parent
 PLANT_ENV = "PRECISION_SUITE_TEST_PLANT"  # "regression" or "drift": what the fake training plants
@@ -184,11 +183,11 @@ def test_report_header_names_the_loaded_config_or_says_none(pytester):
 
     measured = {"created": "2026-12-03", "fingerprint": {"cpu_capability": "AVX512"}, "runs": 90,
                 "runs_with_alarms": 0, "perturbations": ["threads=2", "seed 100"]}
-    files.write_json(measured, calibration.measured_path(pytester.path / "baselines"))
+    files.write_json(measured, alarm_statement.measured_path(pytester.path / "baselines"))
     pytester.runpytest_subprocess().stdout.fnmatch_lines([
         "precision-suite: Measured by `precision-suite calibrate` on 2026-12-03 (AVX512, ?): 0 of 90 "
         "perturbed runs with a false alarm (threads=2, seed 100)."])
-    calibration.measured_path(pytester.path / "baselines").write_text("{not json")
+    alarm_statement.measured_path(pytester.path / "baselines").write_text("{not json")
     pytester.runpytest_subprocess().stdout.fnmatch_lines(["precision-suite: *calibration.json is unreadable*"
                                                "rewrite it with `precision-suite calibrate`"])
 
@@ -308,7 +307,7 @@ def test_spec_change_is_another_case_with_a_hint_that_works(inner):
 def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
     make_check(inner)
     in_fresh_python(inner, f"""
-        from precision_suite.verdicts.baselines import baseline_path, save_baseline
+        from precision_suite.verdicts.baseline_files import baseline_path, save_baseline
         from precision_suite.training.runs import RunSpec
         from synthetic_data import make_run_dataset
         old = make_run_dataset(depth=3, steps=20, sample_every=10)

@@ -15,8 +15,17 @@ from precision_suite.jobs.selection import config_specs
 from precision_suite.numerics.formats import get_format
 from precision_suite.numerics.quantization import quantize, stochastic_round
 from precision_suite.training.recipes import (
-    NAMED_RECIPES, RECIPES_ENV, Gemm, Operand, QuantLinear, Recipe, get_recipe, recipes_environment,
-    recipes_from_toml, set_recipe)
+    NAMED_RECIPES,
+    RECIPES_ENV,
+    Gemm,
+    Operand,
+    QuantLinear,
+    Recipe,
+    get_recipe,
+    recipes_environment,
+    recipes_from_toml,
+    set_recipe,
+)
 from precision_suite.training.runs import RunSpec, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}

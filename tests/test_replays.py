@@ -1,4 +1,4 @@
-"""Replays from stored states (training.replays) and their deterministic comparison (verdicts.replays)."""
+"""Replays from stored states (training.replays) and their deterministic comparison (verdicts.stored_replays)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ import torch
 from precision_suite.files import load_dataset, save_dataset
 from precision_suite.training import replays
 from precision_suite.training.runs import RunSpec, Trainer, run, seeded
-from precision_suite.verdicts.baselines import BaselineError
-from precision_suite.verdicts.replays import (build_replay, compare_replay, is_replay_finding, load_replay,
-                                              replay_path)
+from precision_suite.verdicts.baseline_files import BaselineError
+from precision_suite.verdicts.stored_replays import (
+    build_replay,
+    compare_replay,
+    is_replay_finding,
+    load_replay,
+    replay_path,
+)
 
 SPEC = RunSpec(model="gpt", recipe="fp8-block", depth=1, steps=5, sample_every=2)
 
@@ -69,7 +74,7 @@ def test_the_replays_first_loss_is_the_runs_loss_at_that_step(kept):
     assert abs(first - losses[start]) < min(abs(first - losses[start - 1]), abs(first - losses[start + 1]))
 
 
-def _stored(kept) -> "xr.Dataset":  # noqa: F821
+def _stored(kept) -> xr.Dataset:  # noqa: F821
     _, state, replay_ds = kept
     twin = replays.replay(dataclasses.replace(SPEC, threads=2), state)
     return build_replay(replay_ds, [twin], state)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precision_suite.reports import charts, reports
 from precision_suite import files
-from precision_suite.verdicts.baselines import compare
-from precision_suite.verdicts.checks import CaseVerdict, Finding, verdict
+from precision_suite.reports import canvas, drift_chart, reports
+from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
+from precision_suite.verdicts.tolerances import compare
 from synthetic_data import make_run_dataset
 
 
@@ -62,7 +62,7 @@ def _planted_case(tmp_path: Path):
     cell = dict(layer=2, tensor="gradient_transpose", layout="128x1")
     current["underflow"].loc[cell] = current["underflow"].loc[cell] + 0.1
     findings = compare(current, baseline)
-    chart = charts.save_figure(charts.plot_drift(current, baseline, findings),
+    chart = canvas.save_figure(drift_chart.plot_drift(current, baseline, findings),
                                tmp_path / "plugin-charts" / "drift.png")
     return current, verdict(current.attrs["case"], findings, [str(chart)])
 

@@ -13,11 +13,17 @@ import numpy as np
 import pytest
 
 from precision_suite import cli, files
-from precision_suite.jobs import execution, reproduce
-from precision_suite.training import runs
-from precision_suite.verdicts.checks import run_spec
+from precision_suite.jobs import execution, figure_runs
+from precision_suite.reports.figure_names import FIGURE_NAMES
+from precision_suite.reports.paper_claims import (
+    FIGURE_A_VARIANTS,
+    SCALED_TWINS,
+    figure_a_claims,
+    figure_b_claims,
+)
 from precision_suite.reports.reports import markdown_cell
-from precision_suite.reports.reproduction import FIGURE_A_VARIANTS, SCALED_TWINS, figure_a_claims, figure_b_claims
+from precision_suite.training import runs
+from precision_suite.verdicts.rules import run_spec
 from synthetic_data import make_run_dataset
 
 N_TOKENS = 196
@@ -203,12 +209,12 @@ def synthetic_training(monkeypatch):
     monkeypatch.setattr(execution, "default_workers", lambda: 1)  # spawned workers would train
 
 
-@pytest.mark.parametrize("figure", reproduce.FIGURE_NAMES)
+@pytest.mark.parametrize("figure", FIGURE_NAMES)
 def test_reproduce_writes_figure_datasets_and_a_note_of_every_claim(tmp_path, capsys, figure,
                                                                    synthetic_training):
     assert cli.main(["reproduce", figure, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    specs = reproduce.figure_specs(figure)
+    specs = figure_runs.figure_specs(figure)
     saved = sorted(tmp_path.glob(f"{figure}-*.nc"))
     assert len(saved) == len(specs)
     datasets = [files.load_dataset(path) for path in saved]
@@ -242,7 +248,7 @@ def test_reproduce_argument_errors_exit_2_with_a_clear_message(tmp_path, capsys,
 
 def test_unknown_figure_names_the_choices():
     with pytest.raises(ValueError, match="unknown figure 'figure-z'; choose one of figure-a, figure-b"):
-        reproduce.figure_specs("figure-z")
+        figure_runs.figure_specs("figure-z")
 
 
 # --------------------------------------------------------------------------- the real runs
@@ -250,7 +256,7 @@ def test_unknown_figure_names_the_choices():
 
 @pytest.mark.slow
 def test_figure_a_reproduction_shows_the_papers_picture(tmp_path):
-    result = reproduce.reproduce("figure-a", tmp_path, workers=2)
+    result = figure_runs.reproduce("figure-a", tmp_path, workers=2)
     claims = _by_key(result.claims)
     assert claims["scaled_twins_apart"].holds, claims["scaled_twins_apart"]
     assert claims["softmax_bounded"].holds, claims["softmax_bounded"]
@@ -259,7 +265,7 @@ def test_figure_a_reproduction_shows_the_papers_picture(tmp_path):
 
 @pytest.mark.slow
 def test_figure_b_reproduction_shows_gradient_transpose_underflow_above_the_gradients(tmp_path):
-    result = reproduce.reproduce("figure-b", tmp_path, workers=1)
+    result = figure_runs.reproduce("figure-b", tmp_path, workers=1)
     claim = _by_key(result.claims)["transpose_above_gradient"]
     assert claim.holds, claim
     assert result.note.is_file() and result.chart.is_file()

@@ -12,8 +12,8 @@ import torch
 import xarray as xr
 
 import precision_suite
-from precision_suite.training import runs
 from precision_suite.files import SCHEMA_VERSION, load_dataset, save_dataset
+from precision_suite.training import runs
 from precision_suite.training.runs import RunSpec, case_id, run
 
 # 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
@@ -253,8 +253,8 @@ def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element
 
 
 def test_every_default_case_compiles_so_its_baseline_numbers_are_those_of_the_kernels():
-    from precision_suite.training.matrix import default_matrix
     from precision_suite.numerics.quantization import compile_pays
+    from precision_suite.training.matrix import default_matrix
 
     for spec in default_matrix():
         torch.manual_seed(0)

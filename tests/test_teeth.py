@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from precision_suite import cli
+from precision_suite.jobs.selection import config_specs
+from precision_suite.jobs.twins import rounding_twins
+from precision_suite.numerics import quantization
 from precision_suite.training import models, recipes, runs
 from precision_suite.training.replays import replay_start
-from precision_suite.jobs.selection import config_specs
-from precision_suite.numerics import quantization
-from precision_suite.jobs.twins import rounding_twins
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS
+from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
 CONFIG = """

@@ -10,7 +10,7 @@ A replay is saved as OUT_DIR/<case>.nc; a case whose replay cannot run goes on t
 reason in OUT_DIR/problems.json (case -> one line).
 
 How `diff` and `bisect` train one commit's code: in a fresh interpreter whose PYTHONPATH starts
-with a copy of the running precision_suite and then that commit's tree (jobs/diff.py), so the
+with a copy of the running precision_suite and then that commit's tree (jobs/two_commits.py), so the
 user's code comes from the commit and the measuring tool from the command. A side that cannot
 run ends with its reason as the last line on stderr."""
 

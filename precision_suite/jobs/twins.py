@@ -5,7 +5,7 @@ thread count, and its first training step differs from this host's by rounding a
 host can produce those differences itself: ATen's unvectorized kernels (`ATEN_CPU_CAPABILITY=default`)
 and every vector width below its own (with MKL held to it), MKL's reproducible path
 (`MKL_CBWR=COMPATIBLE`), 2 threads, eager kernels instead of compiled ones. A baseline's first-point
-tolerance is measured from these twins (`baselines.ensemble_tasks`), and `calibrate` trains whole
+tolerance is measured from these twins (`regenerate.ensemble_tasks`), and `calibrate` trains whole
 runs under them.
 """
 

@@ -21,14 +21,13 @@ padding never changes a scale.
 from __future__ import annotations
 
 import re
-from typing import Union
 
 import torch
 import torch.nn.functional as F
 
 from precision_suite.numerics.formats import Format, get_format
 
-Layout = Union[str, tuple[int, int]]  # "tensor" or (rows, cols)
+Layout = str | tuple[int, int]  # "tensor" or (rows, cols)
 
 _BLOCK_RE = re.compile(r"^\s*(\d+)\s*[x,]\s*(\d+)\s*$")
 WHOLE_AXIS = {"row": (1, 0), "column": (0, 1)}  # 0: the block spans the whole axis

@@ -2,20 +2,26 @@
 
 A declaration says what the metric is (CF-style `long_name`, `units`, `valid_range`, written
 into the dataset's variable attributes), which direction is bad, and how the calibrated
-comparison treats it (`Space`: the transform into the space where seeds spread evenly, and the
-smallest spreads). Datasets (runs.py), the ensemble comparison (ensemble.py), the single-run
-tolerances (baselines.py) and charts (charts.py) read it; definitions follow ../shared/SCIENCE.md.
-Like Transformer Engine's debug-stats table: adding a metric is one row here, plus its computation.
+comparison treats it (`Space`: the transform into the space where seeds spread evenly, its
+inverse, whether the metric counts elements, and the smallest spreads). Datasets, the ensemble
+comparison, the single-run tolerances, history records and charts all read it; definitions follow
+../shared/SCIENCE.md. Like Transformer Engine's debug-stats table: adding a metric is one row here,
+plus its computation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+# spread of Anscombe's 2 sqrt(count + 3/8) for Poisson counts, at any level (Space.detection)
+POISSON_SPREAD = 1.0
+
 
 @dataclass(frozen=True)
 class Space:
-    """How a metric is compared against a seed ensemble: y = transform(value) (ensemble.transform).
+    """How a metric is compared against a seed ensemble: y = transform(value).
 
     kind: "log" (ln value: norms, losses), "log_count" (ln(count + 1/2): fractions of counted
       elements, Poisson-like noise 1/sqrt(count)), "log_one_minus" (ln(1 - value): the relative
@@ -27,6 +33,69 @@ class Space:
     kind: str
     min_spread: float
     first_step_floor: float
+
+    @property
+    def is_count(self) -> bool:
+        """Fractions of counted elements and counts: their noise is the count's, not the value's."""
+        return self.kind == "log_count"
+
+    @property
+    def rises_with_value(self) -> bool:
+        """Whether y rises as the value does: ln(1 - cos) falls as the cosine rises."""
+        return self.kind != "log_one_minus"
+
+    def transform(self, values: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
+        """Values in the comparison space (non-finite where the value is not comparable); a
+        fraction's elements `numel` turn it into a count."""
+        v = np.asarray(values, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.kind == "log":
+                y = np.log(v)
+            elif self.kind == "log_count":  # ln(count + 1/2): Poisson-like noise 1/sqrt(count) in y
+                y = np.log(v * (1.0 if numel is None else numel) + 0.5)
+            elif self.kind == "log_one_minus":  # 1 - cos: the relative error energy
+                y = np.log(np.maximum(1.0 - v, 1e-15))
+            else:
+                y = v
+        return np.where(np.isnan(v), np.nan, y)
+
+    def inverse(self, y: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
+        """The values whose transform is `y`."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.kind == "log":
+                return np.exp(y)
+            if self.kind == "log_count":
+                return (np.exp(y) - 0.5) / (1.0 if numel is None else numel)
+            if self.kind == "log_one_minus":
+                return 1.0 - np.exp(y)
+            return y
+
+    def floor_variance(self, mean_y: np.ndarray) -> np.ndarray:
+        """The smallest variance of a point whose mean in the comparison space is `mean_y`:
+        min_spread squared, plus the Poisson noise of the counted elements for counts."""
+        floor = np.full_like(mean_y, self.min_spread**2)
+        if self.is_count:
+            with np.errstate(over="ignore", invalid="ignore"):
+                floor = floor + np.exp(-mean_y)  # var ln(c + 1/2) ~ 1/(c + 1/2)
+        return floor
+
+    def detection(self, values: np.ndarray, numel: np.ndarray | None = None) -> np.ndarray:
+        """Values where a history seeks steps: the comparison space, except counts, which take
+        Anscombe's variance-stabilising 2 sqrt(count + 3/8). A count that steps from zero is the
+        commonest regression (a block scale that flushes a tile), and ln(count + 1/2) makes the
+        Poisson noise at zero look as large as a tenfold change; here Poisson noise has spread
+        POISSON_SPREAD at every level."""
+        v = np.asarray(values, dtype=np.float64)
+        if not self.is_count:
+            return self.transform(v)
+        count = v * (1.0 if numel is None else np.asarray(numel, dtype=np.float64))
+        with np.errstate(invalid="ignore"):
+            return 2.0 * np.sqrt(np.maximum(count, 0.0) + 0.375)
+
+    @property
+    def detection_min_spread(self) -> float:
+        """The smallest noise level of a series in the detection space."""
+        return POISSON_SPREAD if self.is_count else self.min_spread
 
 
 @dataclass(frozen=True)
@@ -46,6 +115,17 @@ class Metric:
     space: Space | None
     description: str
     counted_by: str = "numel"  # the variable of the elements behind a fraction (log_count spaces)
+
+    @property
+    def is_count(self) -> bool:
+        """Whether the metric counts elements (a fraction of them, or a count), by its space."""
+        return self.space is not None and self.space.is_count
+
+    @property
+    def bad_sign(self) -> float:
+        """+1 where a rise of y = space.transform(value) is a regression, -1 where a fall is."""
+        sign = 1.0 if self.bad == "up" else -1.0
+        return sign if self.space is None or self.space.rises_with_value else -sign
 
     def attrs(self) -> dict[str, object]:
         """CF-style attributes of the dataset variable holding this metric."""
@@ -81,7 +161,7 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            None, None, "mean squared error of the reconstruction"),
     Metric("nonfinite", "non-finite element count", "1", "NaN/Inf count", (0.0, float("inf")), "up",
            Space("log_count", 0.0, 0.0), "NaN/Inf elements seen by the probes"),
-    # an invariant, not compared with baselines: any nonzero count fails the case (checks.check_operands)
+    # an invariant, not compared with baselines: any nonzero count fails the case (verdicts.operand_invariant.check_operands)
     Metric("operand_mismatch", "consumed operand elements unlike a fresh quantization", "1",
            "elements unlike a fresh quantization", (0.0, float("inf")), "up", None,
            "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "
@@ -111,3 +191,4 @@ METRICS.update({observed_name(name): replace(
     for name in QUANT_METRICS})
 # compared against a seed ensemble, each in its own space
 COMPARED = {name: m for name, m in METRICS.items() if m.space is not None}
+SPACES: dict[str, Space] = {name: m.space for name, m in COMPARED.items()}

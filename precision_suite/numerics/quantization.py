@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 

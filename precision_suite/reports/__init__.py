@@ -1,2 +1,2 @@
-"""Drawing what verdicts and datasets hold: charts, report folders, the reproductions' claims,
-figures and notes. Imports numerics, training and verdicts."""
+"""Drawing what verdicts and datasets hold: the seed figures, drift and history charts, report
+folders, the reproductions' claims and notes. Imports numerics, training and verdicts."""

@@ -1,6 +1,6 @@
 """Report directories: what a person opens when a numerics check fails.
 
-`write_report` turns case verdicts (checks.CaseVerdict) into one folder:
+`write_report` turns case verdicts (findings.CaseVerdict) into one folder:
 
 - `index.html`: self-contained (every chart embedded as a data URI), opens from disk or as a CI
   artifact; failing, erroring and drifting cases first, then the passing ones.
@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from precision_suite.version import __version__
-from precision_suite.reports import charts as _charts
-from precision_suite.verdicts.calibration import statement_lines
-from precision_suite.verdicts.checks import run_spec
 from precision_suite.files import atomic_file, safe_filename
+from precision_suite.reports.canvas import save_figure
+from precision_suite.reports.figures import plot_attention_norm, plot_observed_quant_error, plot_quant_error
+from precision_suite.verdicts.alarm_statement import statement_lines
 from precision_suite.verdicts.findings import CHART_CHOICES, severity
+from precision_suite.verdicts.rules import run_spec
+from precision_suite.version import __version__
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
 STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
@@ -145,12 +146,11 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
     drawn = []
     if "attention_norm" in ds.data_vars:
         drawn.append(_save(out, f"{safe_filename(case)}-attention-norm.png",
-                           _charts.plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
+                           plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
     if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
-        drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", _charts.plot_quant_error(ds)))
+        drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", plot_quant_error(ds)))
     if "observed_underflow" in ds.data_vars:
-        drawn.append(_save(out, f"{safe_filename(case)}-observed-quant-error.png",
-                           _charts.plot_observed_quant_error(ds)))
+        drawn.append(_save(out, f"{safe_filename(case)}-observed-quant-error.png", plot_observed_quant_error(ds)))
     return drawn
 
 
@@ -165,12 +165,12 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
     drawn = [_save(out, f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
-                   _charts.plot_attention_norm(group))
+                   plot_attention_norm(group))
              for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
     case = _figure_b_case(datasets)
     if case is not None:
         drawn.append(_save(out, f"overview-{safe_filename(case)}-quant-error.png",
-                           _charts.plot_quant_error(datasets[case])))
+                           plot_quant_error(datasets[case])))
     return drawn
 
 
@@ -186,7 +186,7 @@ def _figure_b_case(datasets: Mapping[str, xr.Dataset]) -> str | None:
 
 
 def _save(out: Path, name: str, fig) -> str:
-    _charts.save_figure(fig, out / "charts" / name)
+    save_figure(fig, out / "charts" / name)
     return f"charts/{name}"
 
 

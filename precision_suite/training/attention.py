@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from precision_suite.training.imports import is_import_string, load_object
 
-AttentionFn = Callable[[Tensor, int, Optional[Tensor]], Tensor]
+AttentionFn = Callable[[Tensor, int, Tensor | None], Tensor]
 
 ATTENTIONS: dict[str, AttentionFn] = {}
 

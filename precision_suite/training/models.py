@@ -15,8 +15,9 @@ exactly the number of patches. The GPT's N is its sequence length (see attention
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +210,7 @@ def block_linears(config: ModelConfig) -> list[tuple[str, int, int]]:
 
     Built on the meta device: no memory, no RNG draws.
     """
-    # no causal mask: it shapes no linear, and tril on the meta device costs a fresh process 2.3 s
+    # no causal mask: it shapes no linear, and tril on the meta device costs a fresh process seconds
     with torch.device("meta"):
         block = Block(config, causal=False)
     return [

@@ -40,7 +40,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode_temporarily
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode_temporarily,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_suite.numerics.formats import ElementType, get_format

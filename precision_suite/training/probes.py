@@ -18,8 +18,8 @@ Tensor roles (dataset coordinate ``tensor``) and what each measures, for a linea
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from precision_suite.numerics.formats import get_format
 from precision_suite.numerics.layouts import Layout, layout_label, layout_text, parse_layout
@@ -63,7 +63,7 @@ FP8_BLOCK = Scheme("fp8-block", "e4m3", activation=(1, 128), weight=(128, 128), 
 SCHEME_EXAMPLES = "fp8-block, mxfp8, nvfp4, or <format>:<layout> such as e4m3:tensor, e5m2:1x128"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_scheme(name: str) -> Scheme:
     """``fp8-block``, or ``<format>[:<layout>]`` with one layout for x, W and dy (``e4m3:tensor``,
     ``e5m2:1x128``); without a layout the format's default (``mxfp8``, ``nvfp4``: (1, block))."""

@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
+from precision_suite.numerics.quantization import quantize
 from precision_suite.training.observation import unobserved
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
-from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
-from precision_suite.numerics.quantization import quantize
 
 ROUNDINGS = ("nearest", "stochastic")
 HIGH_PRECISION = "fp32"  # an operand kept in float32 (e.g. a high-precision wgrad GEMM)

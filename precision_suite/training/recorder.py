@@ -21,7 +21,7 @@ Operands consumed: on a sampled step the recorder also observes every operand a 
 ``QuantLinearFn`` consumes in a selected module (``recipes.add_operand_observer``) and counts the
 elements that differ from a fresh quantization of the live tensor under the operand's declared
 format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, operand)``, which
-must be zero (verdicts.checks.check_operands). Modules no recipe quantizes count nothing
+must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quantizes count nothing
 (``operand_numel`` 0).
 
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
@@ -45,15 +45,28 @@ from typing import Any
 
 import numpy as np
 import torch
-import xarray as xr
 import torch.nn.functional as F
+import xarray as xr
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.training.observation import (GEMMS, Observation, StepObservation, describe_observation,
-                                                  sequence_number, tag_nodes, unobserved)
-from precision_suite.training.probes import TENSOR_ROLES, Scheme, check_measurements, get_scheme, operand_shapes
+from precision_suite.training.observation import (
+    GEMMS,
+    Observation,
+    StepObservation,
+    describe_observation,
+    sequence_number,
+    tag_nodes,
+    unobserved,
+)
+from precision_suite.training.probes import (
+    TENSOR_ROLES,
+    Scheme,
+    check_measurements,
+    get_scheme,
+    operand_shapes,
+)
 from precision_suite.training.recipes import GEMM_OPERANDS, Operand, add_operand_observer, layer_recipe
 from precision_suite.training.views import ObservedSteps, OperandCounts, run_dataset
 

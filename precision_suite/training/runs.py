@@ -14,27 +14,38 @@ import json
 import math
 import platform
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import xarray as xr
 
-from precision_suite.version import __version__
+from precision_suite.numerics.metric_table import METRICS
+from precision_suite.numerics.quantization import compile_pays, compiling_if
 from precision_suite.training.attention import get_attention
 from precision_suite.training.data import digits_batch, text_batch
-from precision_suite.training.models import ModelConfig, block_linears, build_model, model_config
-from precision_suite.numerics.metric_table import METRICS
 from precision_suite.training.imports import is_import_string, load_object
+from precision_suite.training.models import ModelConfig, block_linears, build_model, model_config
+from precision_suite.training.probes import (
+    SCHEME_EXAMPLES,
+    Scheme,
+    check_measurements,
+    check_scheme_fits,
+    get_scheme,
+)
+from precision_suite.training.recipes import (
+    RECIPE_EXAMPLES,
+    Recipe,
+    get_recipe,
+    own_quantization,
+    recipe_layers,
+    set_recipe,
+)
 from precision_suite.training.recorder import Recorder, instrument
-from precision_suite.training.probes import SCHEME_EXAMPLES, Scheme, check_measurements, check_scheme_fits, get_scheme
-from precision_suite.numerics.quantization import compile_pays, compiling_if
-from precision_suite.training.recipes import (RECIPE_EXAMPLES, Recipe, get_recipe, own_quantization, recipe_layers,
-                                              set_recipe)
+from precision_suite.version import __version__
 
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MEASUREMENT = "fp8-block"  # always measured; extra_formats are added side by side
@@ -72,17 +83,17 @@ class RunSpec:
     recipe: str = "fp32"  # fp32, or a recipes.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
     extra_formats: tuple[str, ...] = ()  # schemes measured next to fp8-block, e.g. ("mxfp8", "nvfp4")
     steps: int = 50
-    batch_size: Optional[int] = None  # None: 32 images (vit) / 8 sequences (gpt)
+    batch_size: int | None = None  # None: 32 images (vit) / 8 sequences (gpt)
     seed: int = 0
     device: str = "auto"  # auto: CUDA when available, else CPU
     sample_every: int = 10  # probes fire on steps 0, k, 2k, ... and on the last step
-    lr: Optional[float] = None  # AdamW learning rate; None: 3e-4 (vit) / 1e-3 (gpt)
-    depth: Optional[int] = None
-    width: Optional[int] = None
-    heads: Optional[int] = None
-    seq_len: Optional[int] = None  # GPT: sequence length; ViT: patches per image (4, 16 or 64)
+    lr: float | None = None  # AdamW learning rate; None: 3e-4 (vit) / 1e-3 (gpt)
+    depth: int | None = None
+    width: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None  # GPT: sequence length; ViT: patches per image (4, 16 or 64)
     threads: int = 1  # torch CPU threads, pinned during the run
-    batches: Optional[str] = None  # a user model's batches: "package.module:function"
+    batches: str | None = None  # a user model's batches: "package.module:function"
     # what the model's own code must quantize with: (module glob, recipe name) pairs, the first
     # glob that matches a module deciding; "fp32" expects no quantization (verdicts.observed)
     expect: tuple[tuple[str, str], ...] = ()
@@ -141,7 +152,7 @@ class RunSpec:
         return passes * float(self.tokens_per_step()) * gemms
 
     # -- validation -----------------------------------------------------------------------------
-    def validate(self) -> "RunSpec":
+    def validate(self) -> RunSpec:
         """Raise ValueError (naming the field and what is allowed) unless the spec can run."""
         for name in ("steps", "sample_every", "threads"):
             _check_positive_int(name, getattr(self, name))
@@ -221,7 +232,7 @@ class RunSpec:
                 if name not in ADDED_FIELDS or value != defaults[name].default}
 
     @classmethod
-    def from_json(cls, text: str) -> "RunSpec":
+    def from_json(cls, text: str) -> RunSpec:
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as error:

@@ -1,3 +1,4 @@
-"""Judging the data: baselines as files (read, write, compare), seed-ensemble statistics, threshold
-rules, findings and verdicts, the judge, calibration statements. Imports numerics and training's
-dataset schema; draws nothing."""
+"""Judging the data: findings and verdicts, baseline files, the single-run and the seed-ensemble
+comparisons, stored replays, threshold rules and the operand invariant, the one judge, history
+records and their steps, the false-alarm statement. Imports numerics and training's dataset
+schema; draws nothing."""

@@ -3,7 +3,7 @@ which any value differs, the cell that differs most there, and by how much.
 
 `diff` trains the same spec with two commits' code on one host, so the runs are bitwise identical
 unless the code changed the numbers; this says where the change starts. Judging its size against
-tolerances is `baselines.compare`'s."""
+tolerances is `tolerances.compare`'s."""
 
 from __future__ import annotations
 

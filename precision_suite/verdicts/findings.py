@@ -1,8 +1,8 @@
 """The verdict types every check reports (a leaf module: imports nothing of the package).
 
-A `Finding` is one thing a check found; a `CaseVerdict` is a case's outcome. The rules engine
-(checks.py), the baseline comparisons (baselines.py, ensemble.py) and the judging engine
-(judge.py) all speak these types.
+A `Finding` is one thing a check found; a `CaseVerdict` is a case's outcome. The rules (rules.py),
+the operand invariant (operand_invariant.py), the baseline comparisons (tolerances.py, ensemble/,
+stored_replays.py) and the judging engine (judge.py) all speak these types.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ class Finding:
     def __post_init__(self) -> None:
         if self.kind not in FINDING_KINDS:
             raise ValueError(f"Finding.kind {self.kind!r} is unknown; use one of {', '.join(FINDING_KINDS)}")
+
+    @classmethod
+    def error(cls, case: str, metric: str, message: str) -> Finding:
+        """A check of `metric` that could not be made (no numbers); the message names the case."""
+        return cls(case=case, kind="error", metric=metric, where={}, value=math.nan, reference=math.nan,
+                   tolerance=math.nan, message=f"{case}: {message}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
@@ -120,9 +126,7 @@ def _json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-
 def to_python(value: Any) -> Any:
     """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
     return value.item() if isinstance(value, np.generic) else value
-
 

@@ -1,9 +1,9 @@
 """The one judging engine: the command line and the pytest plugin both call `judge_case`
-(through jobs.judging, which draws the chart of a failing or drifting case).
+(through jobs.checking, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
 with the tolerance table) and the case's replay with its stored replay (deterministic), checks
-the built-in invariants (the GEMMs consumed what their recipe declares: `checks.check_operands`,
+the built-in invariants (the GEMMs consumed what their recipe declares: `check_operands`,
 in the run and its replay) and the threshold rules, excuses the threshold findings a known
 violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
@@ -21,8 +21,13 @@ import xarray as xr
 
 from precision_suite.files import save_dataset
 from precision_suite.training.matrix import KnownViolation
-from precision_suite.verdicts import baselines, checks, ensemble, observed, replays
+from precision_suite.verdicts import observed
+from precision_suite.verdicts.ensemble.compare import compare_ensemble
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
+from precision_suite.verdicts.operand_invariant import check_operands
+from precision_suite.verdicts.rules import check_rules, parse_rule
+from precision_suite.verdicts.stored_replays import compare_replay, mark_replayed
+from precision_suite.verdicts.tolerances import compare as compare_single_run
 
 
 def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequence[Any] = (),
@@ -33,31 +38,29 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
                replay: xr.Dataset | None = None, stored_replay: xr.Dataset | None = None) -> CaseVerdict:
     """The verdict of one run. `rules` apply where they match (project rules); `case_rules` were
     written for this case, so one that matches nothing is an error. `reference` with a `seed`
-    dimension is judged by `ensemble.compare_ensemble`, a single run by `baselines.compare`;
-    `replay`, the case's replay from its stored state, by `replays.compare_replay` against
+    dimension is judged by `compare_ensemble`, a single run by `tolerances.compare`;
+    `replay`, the case's replay from its stored state, by `compare_replay` against
     `stored_replay`."""
     case = str(current.attrs.get("case", "?"))
     findings = list(extra_findings)
     if reference is not None:
         if "seed" in reference.dims:
-            findings += ensemble.compare_ensemble(current, reference, regen_hint)
+            findings += compare_ensemble(current, reference, regen_hint)
         else:
-            findings += baselines.compare(current, reference, tolerances)
+            findings += compare_single_run(current, reference, tolerances)
     if stored_replay is not None:
         if replay is None:
-            findings.append(Finding(case=case, kind="error", metric="replay", where={}, value=float("nan"),
-                                    reference=float("nan"), tolerance=float("nan"),
-                                    message=f"{case}: a stored replay exists but the replay was not run"))
+            findings.append(Finding.error(case, "replay", "a stored replay exists but the replay was not run"))
         else:
-            findings += replays.compare_replay(replay, stored_replay, regen_hint)
+            findings += compare_replay(replay, stored_replay, regen_hint)
     if reference is not None:
         findings += observed.check_observed_recipe(current, reference, regen_hint)
     findings += observed.check_expected(current)
-    findings += checks.check_operands(current, case)
+    findings += check_operands(current, case)
     if replay is not None:
-        findings += [replays.mark_replayed(f, int(replay.attrs["replayed_from"])) for f in checks.check_operands(replay, case)]
-    findings += checks.check_rules(current, rules, case)
-    findings += checks.check_rules(current, case_rules, case, strict=True)
+        findings += [mark_replayed(f, int(replay.attrs["replayed_from"])) for f in check_operands(replay, case)]
+    findings += check_rules(current, rules, case)
+    findings += check_rules(current, case_rules, case, strict=True)
     outcome = verdict(case, excuse(findings, known))
     if obtained_path is not None and outcome.status in ("fail", "error"):
         save_dataset(current, obtained_path)
@@ -77,7 +80,7 @@ def known_violations(given: KnownViolation | Iterable[KnownViolation] | None) ->
                              "KnownViolation(reason, metric='underflow', where={'tensor': 'gradient'})")
         if item.rule:
             try:
-                checks.parse_rule(item.rule)
+                parse_rule(item.rule)
             except ValueError as err:
                 raise ValueError(f"known violation {item.reason!r}: rule {item.rule!r}: {err}") from None
     return listed
@@ -87,7 +90,7 @@ def excuse(findings: Iterable[Finding], known: Iterable[KnownViolation]) -> list
     """`findings`, each threshold finding that a known violation names marked with its reason
     (and saying so in its message); every other finding as it was."""
     # rules compare in their printed form: "1e-3" in a known violation names the rule "0.001"
-    named = [(violation, str(checks.parse_rule(violation.rule)) if violation.rule else "")
+    named = [(violation, str(parse_rule(violation.rule)) if violation.rule else "")
              for violation in known_violations(known)]
     marked = []
     for finding in findings:

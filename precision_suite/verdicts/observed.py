@@ -81,11 +81,11 @@ def check_expected(current: xr.Dataset) -> list[Finding]:
     case = str(current.attrs.get("case", "?"))
     modules = [str(m) for m in current["module"].values] if "module" in current.coords else []
     findings = []
-    for pattern, recipe_name in expect:
+    for pattern, _ in expect:
         if not fnmatch.filter(modules, pattern):
-            findings.append(Finding(case, "error", "observed_format", {}, np.nan, np.nan, np.nan,
-                                    f"{case}: expect {pattern!r} matches no module of the run "
-                                    f"({', '.join(modules[:8]) or 'none'}{', ...' if len(modules) > 8 else ''})"))
+            findings.append(Finding.error(case, "observed_format",
+                                          f"expect {pattern!r} matches no module of the run "
+                                          f"({', '.join(modules[:8]) or 'none'}{', ...' if len(modules) > 8 else ''})"))
     for module in modules:
         pattern, recipe_name = next(((p, r) for p, r in expect if fnmatch.fnmatchcase(module, p)), (None, None))
         if pattern is None:

@@ -1,5 +1,5 @@
 """`precision-suite bisect GOOD BAD`: the first commit whose numbers `diff GOOD <commit>` fails,
-found by `git bisect run`. GOOD is trained once; each step (`python -m precision_suite.jobs.bisect
+found by `git bisect run`. GOOD is trained once; each step (`python -m precision_suite.jobs.first_bad_commit
 STATE.json`, run by git in the checked-out tree) trains that commit's code and judges it against
 GOOD's runs: exit 0 good, 1 bad, 125 skip (the commit cannot run). The steps run a copy of the
 precision_suite this command started with (diff.tool_snapshot), never the checked-out tree's.
@@ -18,11 +18,20 @@ from pathlib import Path
 
 from precision_suite.files import load_dataset
 from precision_suite.jobs import git, results
-from precision_suite.jobs.diff import (CaseDiff, Side, compare_sides, diff_tolerances, fresh_interpreter,
-                                       side_environment, tolerances_from_json, tolerances_to_json, tool_snapshot,
-                                       train_at)
 from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.train_specs import cannot_run, train_specs
+from precision_suite.jobs.two_commits import (
+    CaseDiff,
+    Side,
+    compare_sides,
+    diff_tolerances,
+    fresh_interpreter,
+    side_environment,
+    tolerances_from_json,
+    tolerances_to_json,
+    tool_snapshot,
+    train_at,
+)
 from precision_suite.jobs.usage import DEFAULT_RULES_FILE, EXIT_OK, EXIT_REGRESSION, UsageError
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.judge import blocks
@@ -82,7 +91,7 @@ def _run_bisect(root: Path, good: Side, bad: Side, tool: Path, state: Path) -> t
     print(f"bisecting from {good.name} to {bad.name}: "
           f"{started.stdout.strip().splitlines()[0] if started.stdout.strip() else ''}", file=sys.stderr, flush=True)
     try:
-        command = ["git", "bisect", "run", *fresh_interpreter("precision_suite.jobs.bisect", str(state))]
+        command = ["git", "bisect", "run", *fresh_interpreter("precision_suite.jobs.first_bad_commit", str(state))]
         done = subprocess.run(command, cwd=Path.cwd(), env=side_environment(tool, root, root),
                               stdout=subprocess.PIPE, text=True)
         if "is the first bad commit" in done.stdout:

@@ -1,7 +1,7 @@
-"""Declarative per-layer threshold and growth rules, and the verdict types every check reports.
+"""Declarative per-layer threshold and growth rules: their grammar and their check on a run.
 
 Rules are written as short strings (or TOML tables) and configured in pyproject.toml under
-[tool.precision_suite] or passed per test:
+[tool.precision_suite] (verdicts.project_config) or passed per test:
 
     "underflow <= 1e-3 @ tensor=gradient, layout=1x128"      bound on every layer and step
     "distortion >= 0.999 @ tensor=activation, steps=last"    only the last sampled step
@@ -13,7 +13,7 @@ After `@`: `module` (globs), `layer`, `tensor`, `layout` select coordinates (alt
 by `|`), `steps` is `all` (default) or `last`, and any other key must match a field of the run's
 spec. A rule with a `module` selector, or on a run whose modules carry no block index, is checked
 per module (views.module_view); otherwise per layer. The grammar and the reasons for it are in
-docs/baselines.md.
+docs/baselines.md. Findings are the verdict types of verdicts.findings.
 """
 
 from __future__ import annotations
@@ -24,25 +24,17 @@ import json
 import math
 import operator
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from precision_suite.files import read_toml
-from precision_suite.verdicts.baselines import tolerances_from_config
-from precision_suite.verdicts.findings import (  # noqa: F401  (re-exported: the verdict types)
-    COORD_KEYS, FINDING_KINDS, TIME_DIMS, CaseVerdict, Finding, format_where, to_python, verdict)
+from precision_suite.verdicts.findings import COORD_KEYS, TIME_DIMS, Finding, format_where, to_python
 
 if TYPE_CHECKING:  # xarray is only needed for annotations; keeps this module cheap to import
     import xarray as xr
 
-CONFIG_KEYS = ("rules", "tolerances")
-
-
-# --------------------------------------------------------------------------- rules
 
 Selector = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -73,10 +65,11 @@ class GrowthRule:
         return _rule_text(f"growth({self.metric})", "<=", self.factor, self.select, "all")
 
 
-Rule = Union[BoundRule, GrowthRule]
+Rule = BoundRule | GrowthRule
 
 _RULE_RE = re.compile(r"""^\s*(?:growth\(\s*(?P<growth>\w+)\s*\)|(?P<metric>\w+))\s*
                           (?P<op><=|>=)\s*(?P<bound>[^@]+?)\s*(?:@(?P<select>.*))?$""", re.X)
+
 _DICT_BOUND_KEYS = {"max": "<=", "min": ">="}
 
 
@@ -190,9 +183,8 @@ def _rule_text(metric: str, op: str, bound: float | str, select: Selector, steps
     return f"{metric} {op} {bound_text}" + (f" @ {', '.join(parts)}" if parts else "")
 
 
-# --------------------------------------------------------------------------- expressions
-
 _FUNCTIONS = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp, "min": min, "max": max}
+
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow}
 
@@ -257,9 +249,6 @@ def run_spec(ds: xr.Dataset) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
-# --------------------------------------------------------------------------- checking
-
-
 def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
                 case: str | None = None, *, strict: bool = False) -> list[Finding]:
     """Findings (kind "threshold", or "error" for a rule that cannot be applied) of `rules` on `ds`.
@@ -278,47 +267,22 @@ def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
         try:
             findings.extend(_check_rule(ds, rule, case, strict))
         except ValueError as err:
-            findings.append(Finding(case, "error", rule.metric, {}, math.nan, math.nan, math.nan,
-                                    f"{case}: rule '{rule}' cannot be checked: {err}"))
+            findings.append(Finding.error(case, rule.metric, f"rule '{rule}' cannot be checked: {err}"))
     return findings
 
 
 def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Finding]:
-    spec = run_spec(ds)
-    for key, wanted in rule.select:  # spec selectors first: a rule that does not apply checks nothing
-        if key in COORD_KEYS or key in ds.dims:
-            continue
-        if key not in spec:
-            # a run without a spec (recorded from a user's model by instrument()) has no such field:
-            # project-wide rules about spec fields do not apply to it; in a spec it is a typo
-            if spec or strict:
-                raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
-                                 f"({', '.join(sorted(spec)) or 'no spec'})")
-            return []
-        if not _spec_matches(spec[key], wanted):
-            return []
+    if not _applies(ds, rule, strict):
+        return []
     recorded = ds
     if _per_module(ds, rule):
         # lazy: views loads torch (metrics); the plugin reads rules at every pytest session's start
         from precision_suite.training.views import module_view
 
         ds = module_view(ds)
-    if rule.metric not in ds.data_vars:
-        raise ValueError(f"the run has no metric {rule.metric!r}; it has {', '.join(map(str, ds.data_vars))}")
-    da = ds[rule.metric]
-    index: dict[str, list[Any]] = {}
-    for key, wanted in rule.select:
-        if key in COORD_KEYS or key in da.dims:
-            if key not in da.dims:
-                raise ValueError(f"{rule.metric} has no {key} dimension (its dims: {', '.join(da.dims)})")
-            present = _matching_coords(da[key].values, wanted, glob=key == "module")
-            if not present:
-                if strict:
-                    raise ValueError(f"{key}={'|'.join(wanted)} matches nothing; the run has "
-                                     f"{key} {', '.join(str(v) for v in da[key].values)}")
-                return []
-            index[key] = present
-    da = da.sel(index)
+    da = _selected_cells(ds, rule, strict)
+    if da is None:
+        return []
     time_dims = [d for d in da.dims if d in TIME_DIMS]
     if len(time_dims) != 1:
         raise ValueError(f"{rule.metric} needs exactly one time dimension (step or train_step)")
@@ -332,50 +296,111 @@ def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Fin
             raise ValueError(f"every selected cell of {rule.metric} is NaN: the run did not measure it "
                              "(e.g. attention that no probe saw); the rule checks nothing")
         return []
-    names = run_names(ds)
-    n_steps = values.shape[1]
-
     if isinstance(rule, GrowthRule):
-        factor = _resolve(rule.factor, names)
-        first, observed = values[:, 0], values[:, -1]
-        reference = factor * first
-        with np.errstate(invalid="ignore"):
-            violated = measured & ~(observed <= reference)
-        step_index = np.full(len(values), n_steps - 1)
-        first_step = to_python(da[time_dim].values[0])
+        first_time = to_python(da[time_dim].values[0])
+        violated, step_index, observed, reference, detail = _growth(rule, values, measured, run_names(ds),
+                                                                    f"{time_dim} {first_time}")
     else:
-        bound = _resolve(rule.bound, names)
-        offset = n_steps - 1 if rule.steps == "last" else 0
-        checked = values[:, offset:]
-        with np.errstate(invalid="ignore"):
-            bad = ~(checked <= bound) if rule.op == "<=" else ~(checked >= bound)
-        bad &= measured[:, None]
-        violated = bad.any(axis=1)
-        # the worst violating step: largest value for <=, smallest for >=, NaN worst of all
-        severity = np.where(np.isnan(checked), np.inf, checked if rule.op == "<=" else -checked)
-        step_index = offset + np.argmax(np.where(bad, severity, -np.inf), axis=1)
-        observed = values[np.arange(len(values)), step_index]
-        reference = np.full(len(values), bound)
-
+        violated, step_index, observed, reference, detail = _bound(rule, values, measured, run_names(ds), time_dim)
     findings = []
     sizes = [da.sizes[d] for d in group_dims]
     for g in np.flatnonzero(violated):
         where = {d: to_python(da[d].values[i])
                  for d, i in zip(group_dims, np.unravel_index(g, sizes) if sizes else ())}
         where[time_dim] = to_python(da[time_dim].values[step_index[g]])
-        value, ref = float(observed[g]), float(reference[g])
-        if isinstance(rule, GrowthRule):
-            detail = (f"{rule.metric} grew from {values[g, 0]:.6g} at {time_dim} {first_step} to "
-                      f"{value:.6g}, above {factor:g} x first = {ref:.6g}")
-        else:
-            n_checked = n_steps - offset
-            detail = f"{rule.metric} = {value:.6g}, bound {rule.op} {ref:.6g}"
-            if n_checked > 1:
-                detail += f"; {int(bad[g].sum())} of {n_checked} {time_dim}s violate"
-        findings.append(Finding(case, "threshold", rule.metric, where, value, ref, math.nan,
-                                f"{case}: rule '{rule}' violated at {format_where(where)}: {detail}",
+        findings.append(Finding(case, "threshold", rule.metric, where, float(observed[g]), float(reference[g]),
+                                math.nan, f"{case}: rule '{rule}' violated at {format_where(where)}: {detail(g)}",
                                 rule=str(rule)))
     return findings
+
+
+# (violated per cell, the step each is reported at, its value, its bound, the finding's detail of a cell)
+Violations = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Callable[[int], str]]
+
+
+def _applies(ds: xr.Dataset, rule: Rule, strict: bool) -> bool:
+    """Whether the rule's spec selectors (e.g. attention=softmax) match the run; ValueError for a
+    selector that is neither a dimension nor a field of the run's spec."""
+    spec = run_spec(ds)
+    for key, wanted in rule.select:
+        if key in COORD_KEYS or key in ds.dims:
+            continue
+        if key not in spec:
+            # a run without a spec (recorded from a user's model by instrument()) has no such field:
+            # project-wide rules about spec fields do not apply to it; in a spec it is a typo
+            if spec or strict:
+                raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
+                                 f"({', '.join(sorted(spec)) or 'no spec'})")
+            return False
+        if not _spec_matches(spec[key], wanted):
+            return False
+    return True
+
+
+def _selected_cells(ds: xr.Dataset, rule: Rule, strict: bool) -> xr.DataArray | None:
+    """The rule's metric at the coordinates it selects; None where a selector matches nothing
+    (ValueError with `strict`)."""
+    if rule.metric not in ds.data_vars:
+        raise ValueError(f"the run has no metric {rule.metric!r}; it has {', '.join(map(str, ds.data_vars))}")
+    da = ds[rule.metric]
+    index: dict[str, list[Any]] = {}
+    for key, wanted in rule.select:
+        if key in COORD_KEYS or key in da.dims:
+            if key not in da.dims:
+                raise ValueError(f"{rule.metric} has no {key} dimension (its dims: {', '.join(da.dims)})")
+            present = _matching_coords(da[key].values, wanted, glob=key == "module")
+            if not present:
+                if strict:
+                    raise ValueError(f"{key}={'|'.join(wanted)} matches nothing; the run has "
+                                     f"{key} {', '.join(str(v) for v in da[key].values)}")
+                return None
+            index[key] = present
+    return da.sel(index)
+
+
+def _growth(rule: GrowthRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float],
+            first_time: str) -> Violations:
+    """Cells (rows of `values`, one column per time point) whose last value exceeds the factor times
+    their first."""
+    factor = _resolve(rule.factor, names)
+    first, observed = values[:, 0], values[:, -1]
+    reference = factor * first
+    with np.errstate(invalid="ignore"):
+        violated = measured & ~(observed <= reference)
+    step_index = np.full(len(values), values.shape[1] - 1)
+
+    def detail(g: int) -> str:
+        return (f"{rule.metric} grew from {values[g, 0]:.6g} at {first_time} to "
+                f"{float(observed[g]):.6g}, above {factor:g} x first = {float(reference[g]):.6g}")
+
+    return violated, step_index, observed, reference, detail
+
+
+def _bound(rule: BoundRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float],
+           time_dim: str) -> Violations:
+    """Cells with a checked step beyond the bound, each reported at its worst step: the largest
+    value for <=, the smallest for >=, NaN worst of all."""
+    bound = _resolve(rule.bound, names)
+    n_steps = values.shape[1]
+    offset = n_steps - 1 if rule.steps == "last" else 0
+    checked = values[:, offset:]
+    with np.errstate(invalid="ignore"):
+        bad = ~(checked <= bound) if rule.op == "<=" else ~(checked >= bound)
+    bad &= measured[:, None]
+    violated = bad.any(axis=1)
+    severity = np.where(np.isnan(checked), np.inf, checked if rule.op == "<=" else -checked)
+    step_index = offset + np.argmax(np.where(bad, severity, -np.inf), axis=1)
+    observed = values[np.arange(len(values)), step_index]
+    reference = np.full(len(values), bound)
+
+    def detail(g: int) -> str:
+        text = f"{rule.metric} = {float(observed[g]):.6g}, bound {rule.op} {float(reference[g]):.6g}"
+        n_checked = n_steps - offset
+        if n_checked > 1:
+            text += f"; {int(bad[g].sum())} of {n_checked} {time_dim}s violate"
+        return text
+
+    return violated, step_index, observed, reference, detail
 
 
 def _resolve(bound: float | str, names: Mapping[str, float]) -> float:
@@ -416,90 +441,3 @@ def _spec_matches(value: Any, wanted: Sequence[str]) -> bool:
         except (TypeError, ValueError):
             continue
     return False
-
-
-# --------------------------------------------------------------------------- invariants
-
-
-def check_operands(ds: xr.Dataset, case: str | None = None) -> list[Finding]:
-    """The built-in invariant of every run that records `operand_mismatch`: a GEMM operand the
-    recipe consumed equals a fresh quantization of its live tensor (docs/runs.md). Whatever the
-    baseline says and whatever violation is known, a nonzero count is a "regression": one finding
-    per module and operand, at its first offending step. Runs without the variable check nothing."""
-    if "operand_mismatch" not in ds.data_vars:
-        return []
-    case = case if case is not None else str(ds.attrs.get("case", "?"))
-    da = ds["operand_mismatch"].transpose("module", "operand", "step")
-    numel = ds["operand_numel"].transpose("module", "operand", "step").values \
-        if "operand_numel" in ds.data_vars else None
-    declared = [str(v) for v in ds["operand_declared"].values] if "operand_declared" in ds.coords \
-        else [""] * da.sizes["operand"]
-    values, steps = da.values, [to_python(s) for s in da["step"].values]
-    findings = []
-    for m, o in zip(*np.nonzero((values != 0).any(axis=2))):
-        first = int(np.flatnonzero(values[m, o])[0])
-        module, operand = to_python(da["module"].values[m]), to_python(da["operand"].values[o])
-        count = int(values[m, o, first])
-        of = f" of {int(numel[m, o, first]):,}" if numel is not None else ""
-        later = int(np.count_nonzero(values[m, o, first + 1:]))
-        also = f" (and at {later} later sampled step{'s' if later > 1 else ''})" if later else ""
-        observed = str(ds["observed_format"].sel(step=steps[first], module=module, operand=operand).values) \
-            if "observed_format" in ds.data_vars else ""
-        unlike = (f"round-to-nearest of their high-precision source at the GEMM's own scale cannot give "
-                  f"(observed {observed}, the model's own quantization)") if observed else _unlike(declared[o])
-        findings.append(Finding(
-            case, "regression", "operand_mismatch", {"module": module, "operand": operand, "step": steps[first]},
-            float(count), 0.0, 0.0,
-            f"{case}: operand {operand} of {module} consumed {count:,}{of} elements that "
-            f"{unlike} at step {steps[first]}{also}: a stale or wrongly quantized operand"))
-    return findings
-
-
-def _unlike(declared: str) -> str:
-    """What the consumed elements were compared with, from the operand's declared text."""
-    if declared == "fp32":
-        return "differ from the live tensor (declared fp32: used as it is)"
-    parts = declared.split(":")
-    if len(parts) == 3 and parts[2] == "stochastic":
-        return (f"are neither grid neighbour of the live value under a fresh {parts[0]} {parts[1]} "
-                "block scale (stochastic rounding)")
-    return f"differ from a fresh {' '.join(parts) or 'declared'} quantization of the live tensor"
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True, slots=True)
-class ProjectConfig:
-    """[tool.precision_suite] of a project: rules checked on every case, tolerance overrides."""
-
-    rules: tuple[Rule, ...] = ()
-    tolerances: Mapping[str, Any] = field(default_factory=dict)
-
-
-def read_project_table(pyproject: str | Path) -> dict[str, Any]:
-    """The [tool.precision_suite] table of a pyproject.toml ({} when the file or table is absent)."""
-    path = Path(pyproject)
-    if not path.is_file():
-        return {}
-    data = read_toml(path)
-    table = data.get("tool", {}).get("precision_suite", {})
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: [tool.precision_suite] must be a table")
-    return table
-
-
-def load_project_config(pyproject: str | Path) -> ProjectConfig:
-    """Parse and validate [tool.precision_suite]; errors name the file, key and rule."""
-    table = read_project_table(pyproject)
-    unknown = sorted(set(table) - set(CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"{pyproject}: [tool.precision_suite] has unknown key(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(CONFIG_KEYS)}")
-    rules = table.get("rules", [])
-    if not isinstance(rules, list):
-        raise ValueError(f"{pyproject}: [tool.precision_suite] rules must be a list of strings or tables")
-    try:
-        return ProjectConfig(rules=parse_rules(rules), tolerances=tolerances_from_config(table))
-    except ValueError as err:
-        raise ValueError(f"{pyproject}: [tool.precision_suite] {err}") from None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CALIBRATION_FILE = "calibration.json"
-DESIGN_FALSE_ALARM_RATE = 1e-3  # per case (ensemble.trained_threshold turns it into a band)
+DESIGN_FALSE_ALARM_RATE = 1e-3  # per case (ensemble.series.trained_threshold turns it into a band)
 
 
 def measured_path(baseline_dir: str | os.PathLike) -> Path:

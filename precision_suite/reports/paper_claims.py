@@ -1,12 +1,12 @@
 """Reproductions of the two seed figures: the figure, the claims and the note of a figure's runs.
 
-`precision-suite reproduce figure-a|figure-b` trains a figure's runs (jobs/reproduce.py), then
+`precision-suite reproduce figure-a|figure-b` trains a figure's runs (jobs/figure_runs.py), then
 `write_reproduction` draws the figure as the paper does and writes into one folder the figure
 (PNG), the run datasets (netCDF) and a short Markdown note. The note states each qualitative claim of the paper (../shared/SCIENCE.md) and
 whether this reproduction shows it, with the numbers: `figure_a_claims` and `figure_b_claims`
 compute every verdict from the datasets, so a note can never claim more than the data shows.
 
-The runs (measured choices, docs/cli.md; their RunSpecs are in jobs/reproduce.py):
+The runs (measured choices, docs/cli.md; their RunSpecs are in jobs/figure_runs.py):
 
 - figure A: a 4-block GPT on Shakespeare bytes with N = 196 tokens per sequence, the paper's
   ImageNet ViT token count (224/16 patches), so `x/sqrt(N)` is the figure's `x/14`. The digits
@@ -15,8 +15,8 @@ The runs (measured choices, docs/cli.md; their RunSpecs are in jobs/reproduce.py
   polynomials' norms grow within 200 steps, as they do over the paper's 300 epochs.
 - figure B: the default 18-block GPT, 300 steps, the paper's layers 0, 4, 8, 12, 16, every GEMM
   operand measured as the FP8 block recipe (Ling 2.0's) quantizes it. It trains in float32:
-  training through the emulated FP8 GEMMs as well costs 2.6x the CPU time (313 s against 120 s
-  measured) and gave the same verdict on every claim.
+  training through the emulated FP8 GEMMs as well costs several times the CPU time
+  (docs/performance.md) and gave the same verdict on every claim.
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import atomic_file, safe_filename, save_dataset
-from precision_suite.reports.charts import (QUANT_PANELS, default_attention_layers, plot_attention_norm,
-                                            plot_quant_error, save_figure)
-from precision_suite.reports.figures import check_figure
+from precision_suite.reports.canvas import save_figure
+from precision_suite.reports.figure_names import check_figure
+from precision_suite.reports.figures import (
+    QUANT_PANELS,
+    default_attention_layers,
+    plot_attention_norm,
+    plot_quant_error,
+)
 from precision_suite.reports.reports import markdown_cell
 from precision_suite.training.runs import RunSpec, case_id
 
@@ -81,7 +86,7 @@ class Reproduction:
 def write_reproduction(figure: str, out_dir: str | Path, specs: Sequence[RunSpec],
                        datasets: Sequence[xr.Dataset], seconds: float) -> Reproduction:
     """Write `figure`'s datasets, chart and note into `out_dir` from its trained runs (`specs` in
-    the order of `jobs.reproduce.figure_specs`, `seconds` the training time the note states)."""
+    the order of `jobs.figure_runs.figure_specs`, `seconds` the training time the note states)."""
     out = Path(out_dir)
     paths = tuple(save_dataset(ds, out / f"{figure}-{safe_filename(case_id(spec))}.nc")
                   for spec, ds in zip(specs, datasets))
@@ -107,7 +112,7 @@ def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | 
     """The claims of figure A (SCIENCE.md) on runs keyed by attention variant.
 
     `datasets` needs every variant of FIGURE_A_VARIANTS; `layers` default to the shallow and the
-    deep layer the figure draws (charts.default_attention_layers).
+    deep layer the figure draws (figures.default_attention_layers).
     """
     missing = [v for v in FIGURE_A_VARIANTS if v not in datasets]
     if missing:

@@ -1,41 +1,26 @@
-"""Golden baselines: one netCDF file per case, read and written safely, compared metric by metric.
-
-A baseline is the run dataset of `runs.run(spec)` (schema in docs/architecture.md) stored as
-`<baseline_dir>/<case>.nc`. Its attributes say what it is: `schema_version`, `case`, `spec` (JSON),
-`fingerprint` (JSON) and `package_version`. Loading checks all of them against what the caller
-expects, so a stale or foreign file fails loudly instead of passing silently.
+"""The single-run comparison: a run against one reference run (a saved result for `compare`,
+BASE's run for `diff`), metric by metric, with one tolerance and one bad direction per metric.
 
 `compare` judges every metric in its own space (log for norms, absolute for fractions, relative
-change of 1 - cos for distortion, dB for SQNR, relative for loss), with one tolerance and one bad
-direction per metric from `DEFAULT_TOLERANCES`. docs/baselines.md gives the reason for each number.
+change of 1 - cos for distortion, dB for SQNR, relative for loss) with the tolerances of
+`DEFAULT_TOLERANCES`, overridden by the project's [tool.precision_suite] tolerances and the
+command line's --fail. docs/baselines.md gives the reason for each number.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from precision_suite.files import NETCDF_ENGINE, SCHEMA_VERSION, safe_filename, save_dataset
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
-from precision_suite.verdicts.ensemble import (EnsembleError, case_mean_z, check_ensemble, first_step_count_noise,
-                                              first_step_tolerance, leave_one_out, make_ensemble, mean_z_spread)
 from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
 
-REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
-EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
-SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
-
-
-class BaselineError(Exception):
-    """A baseline file that cannot be used: missing, corrupt, or made for another schema or spec."""
+TOLERANCE_SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +56,8 @@ class Tolerance:
         return np.array([self.tol] + [later] * (n_times - 1), dtype=np.float64)
 
     def __post_init__(self) -> None:
-        if self.space not in SPACES:
-            raise ValueError(f"Tolerance.space {self.space!r} is unknown; use one of {', '.join(SPACES)}")
+        if self.space not in TOLERANCE_SPACES:
+            raise ValueError(f"Tolerance.space {self.space!r} is unknown; use one of {', '.join(TOLERANCE_SPACES)}")
         if self.bad not in ("up", "down"):
             raise ValueError(f"Tolerance.bad {self.bad!r} is unknown; use 'up' or 'down'")
         if not (self.tol >= 0 and np.isfinite(self.tol)):
@@ -162,140 +147,6 @@ def tolerances_from_config(table: Mapping[str, Any]) -> ToleranceOverrides:
     return dict(overrides)
 
 
-# --------------------------------------------------------------------------- files
-
-
-def baseline_path(baseline_dir: str | os.PathLike, case: str) -> Path:
-    """`<baseline_dir>/<case>.nc`, the case id made file-name safe (`files.safe_filename`)."""
-    return Path(baseline_dir) / f"{safe_filename(case)}.nc"
-
-
-def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
-    """Write `ds` as a baseline file atomically (unique temp file in the same folder + rename).
-
-    Concurrent writers (pytest-xdist workers) never see or leave a half-written file.
-    """
-    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
-    if missing:
-        raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
-                            "save datasets made by precision_suite.run")
-    return save_dataset(ds, path)
-
-
-def update_baseline(ds: xr.Dataset, path: str | os.PathLike) -> bool:
-    """Write `ds` as the baseline at `path` unless it already holds exactly these numbers (no
-    churn in git); True when written. A missing, stale or corrupt file is replaced."""
-    try:
-        existing = load_baseline(path, expected_spec=ds.attrs["spec"],
-                                 expected_schema_version=int(ds.attrs["schema_version"]))
-    except BaselineError:
-        existing = None
-    if existing is not None and same_numbers(existing, ds):
-        return False
-    save_baseline(ds, path)
-    return True
-
-
-def default_regen_hint(case: str) -> str:
-    """A command that recreates `case`: `baseline update --case` for a case of the built-in matrix;
-    any other case is defined by a config file or a test, which must be named too."""
-    if in_default_matrix(case):
-        return f"precision-suite baseline update --case '{case}'"
-    return (f"precision-suite baseline update --config <the file defining it> --case '{case}' "
-            "(or, for a pytest case, pytest <its test> --precision-regen)")
-
-
-def in_default_matrix(case: str) -> bool:
-    # lazy: the matrix loads torch (runs.py); the plugin's header and `compare` need no torch
-    from precision_suite.training.matrix import default_matrix
-    from precision_suite.training.runs import case_id
-
-    return case in {case_id(spec) for spec in default_matrix()}
-
-
-def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, Any] | None = None,
-                  expected_schema_version: int = SCHEMA_VERSION,
-                  regen_hint: str | None = None) -> xr.Dataset:
-    """Read a baseline into memory, checking schema version and (if given) the spec it was run with.
-
-    Raises BaselineError naming the file and saying how to create it again (`regen_hint`, by
-    default the `precision-suite baseline update` command for the file's case).
-    """
-    path = Path(path)
-    hint = regen_hint or default_regen_hint(path.stem)
-    if not path.is_file():
-        raise BaselineError(f"no baseline {path}; create it with: {hint}")
-    try:
-        with xr.open_dataset(path, engine=NETCDF_ENGINE) as stored:
-            ds = stored.load()
-    except Exception as err:  # h5py/xarray raise many types for a damaged file
-        raise BaselineError(f"baseline {path} is corrupt or not a netCDF file "
-                            f"({type(err).__name__}: {err}); recreate it with: {hint}") from None
-    hint = regen_hint or default_regen_hint(str(ds.attrs.get("case", path.stem)))
-    missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
-    if missing:
-        raise BaselineError(f"baseline {path} lacks attribute(s) {', '.join(missing)}; "
-                            f"recreate it with: {hint}")
-    try:
-        version = int(ds.attrs["schema_version"])
-    except (TypeError, ValueError):
-        version = None
-    if version != expected_schema_version:
-        raise BaselineError(f"baseline {path} has schema_version {to_python(ds.attrs['schema_version'])!r}, "
-                            f"this precision-suite reads {expected_schema_version}; "
-                            f"recreate it with: {hint}")
-    if expected_spec is not None:
-        differences = spec_differences(_spec_dict(ds.attrs["spec"], f"baseline {path}"),
-                                       _spec_dict(expected_spec, "the current spec"))
-        if differences:
-            raise BaselineError(f"baseline {path} was made for another spec ({'; '.join(differences)}); "
-                                f"if the change is intended, recreate it with: {hint}")
-    return ds
-
-
-def load_ensemble(path: str | os.PathLike, **kwargs: Any) -> xr.Dataset:
-    """`load_baseline`, then check that the file is a seed ensemble (BaselineError otherwise)."""
-    ds = load_baseline(path, **kwargs)
-    try:
-        check_ensemble(ds, path)
-    except EnsembleError as err:
-        hint = kwargs.get("regen_hint") or default_regen_hint(str(ds.attrs.get("case", Path(path).stem)))
-        raise BaselineError(f"{err}; recreate it with: {hint}") from None
-    return ds
-
-
-def spec_differences(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """One 'field: baseline X, current Y' line per spec field that differs.
-
-    Fields in EXECUTION_FIELDS say how a run of the case was made, not what the case is, and are
-    not compared: a baseline is a seed ensemble judged for any seed, and device and thread count
-    change only rounding, which the comparison is calibrated to absorb.
-    """
-    fields = sorted((set(baseline) | set(current)) - set(EXECUTION_FIELDS))
-    return [f"{name}: baseline {baseline.get(name, '<absent>')!r}, current {current.get(name, '<absent>')!r}"
-            for name in fields if baseline.get(name) != current.get(name)]
-
-
-def _spec_dict(spec: str | Mapping[str, Any], what: str) -> dict[str, Any]:
-    if isinstance(spec, Mapping):
-        return dict(spec)
-    try:
-        value = json.loads(spec)
-    except (TypeError, ValueError):
-        value = None
-    if not isinstance(value, dict):
-        raise BaselineError(f"{what}: spec is not a JSON object: {spec!r}")
-    return value
-
-
-def same_numbers(a: xr.Dataset, b: xr.Dataset) -> bool:
-    """True when both datasets hold exactly the same coordinates and data (attributes ignored)."""
-    return a.equals(b)
-
-
-# --------------------------------------------------------------------------- comparison
-
-
 def compare(current: xr.Dataset, baseline: xr.Dataset,
             tolerances: ToleranceOverrides | Sequence[ToleranceOverrides] | None = None) -> list[Finding]:
     """Findings of `current` against `baseline`, metric by metric, on their common coordinates.
@@ -317,18 +168,18 @@ def compare(current: xr.Dataset, baseline: xr.Dataset,
             continue
         if in_current != in_baseline:
             where_missing = "current run" if in_baseline else "baseline"
-            findings.append(_error(case, metric, f"{metric} is missing from the {where_missing}; "
-                                   "the run schema changed, regenerate the baseline"))
+            findings.append(Finding.error(case, metric, f"{metric} is missing from the {where_missing}; "
+                                          "the run schema changed, regenerate the baseline"))
             continue
         cur, base = current[metric], baseline[metric]
         if cur.dims != base.dims:
-            findings.append(_error(case, metric, f"{metric} has dims {cur.dims} in the current run "
-                                   f"but {base.dims} in the baseline"))
+            findings.append(Finding.error(case, metric, f"{metric} has dims {cur.dims} in the current run "
+                                          f"but {base.dims} in the baseline"))
             continue
         mismatch = _coordinate_mismatch(cur, base)
         if mismatch:
-            findings.append(_error(case, metric, f"{metric}: coordinates differ from the baseline "
-                                   f"({mismatch}); compared on the common ones only"))
+            findings.append(Finding.error(case, metric, f"{metric}: coordinates differ from the baseline "
+                                          f"({mismatch}); compared on the common ones only"))
         cur, base = xr.align(cur, base, join="inner")
         findings.extend(_compare_metric(case, metric, cur, base, tol))
     return findings
@@ -454,25 +305,3 @@ def _coordinate_mismatch(cur: xr.DataArray, base: xr.DataArray) -> str:
         if only_base:
             parts.append(f"{dim} {only_base} only in the baseline")
     return "; ".join(parts)
-
-
-def _error(case: str, metric: str, message: str) -> Finding:
-    return Finding(case=case, kind="error", metric=metric, where={}, value=float("nan"),
-                   reference=float("nan"), tolerance=float("nan"), message=f"{case}: {message}")
-
-
-# --------------------------------------------------------------------------- seed ensembles
-
-
-def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int, n_held_out: int = 0) -> xr.Dataset:
-    """The ensemble baseline from the results of `jobs.baselines.ensemble_tasks` (in their order:
-    the ensemble's seeds, held-out seeds, rounding twins). The held-out seeds and each member left
-    out of the others are the null samples of the case-level trained check."""
-    runs, held_out = list(results[:n_seeds]), list(results[n_seeds:n_seeds + n_held_out])
-    twins = list(results[n_seeds + n_held_out:])
-    tolerance, count_noise = first_step_tolerance(runs, twins), first_step_count_noise(runs, twins)
-    ensemble = make_ensemble(runs, tolerance, count_noise)
-    samples = [case_mean_z(run, ensemble) for run in held_out]
-    if len(runs) >= 3:
-        samples += [case_mean_z(member, others) for _, member, others in leave_one_out(ensemble)]
-    return make_ensemble(runs, tolerance, count_noise, mean_z_spread(samples))

@@ -12,10 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from precision_suite.files import safe_filename
-from precision_suite.reports.charts import plot_history
-from precision_suite.reports.reports import CSS, MAX_MARKDOWN_BYTES, figure_html, jsonable, markdown_cell, write_text
-from precision_suite.verdicts.ensemble import FALSE_ALARM_RATE
-from precision_suite.verdicts.history import CaseHistory, Step
+from precision_suite.reports.history_chart import plot_history
+from precision_suite.reports.reports import (
+    CSS,
+    MAX_MARKDOWN_BYTES,
+    figure_html,
+    jsonable,
+    markdown_cell,
+    write_text,
+)
+from precision_suite.verdicts.ensemble.series import FALSE_ALARM_RATE
+from precision_suite.verdicts.history_steps import CaseHistory, Step
 from precision_suite.version import __version__
 
 HISTORY_SUMMARY_SCHEMA_VERSION = 1
@@ -38,7 +45,7 @@ def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str
         "package_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "steps": sum(len(c.steps) for c in cases),
-        "false_step_rate": FALSE_ALARM_RATE,  # per case, by design (verdicts/history.py)
+        "false_step_rate": FALSE_ALARM_RATE,  # per case, by design (verdicts/history_steps.py)
         "cases": [{"case": c.case, "host": c.host, "host_label": c.host_label, "commits": c.commits,
                    "series": len(c.series), "searched": sum(s.noise > 0 for s in c.series),
                    "steps": [_step_json(step, c) for step in c.steps],

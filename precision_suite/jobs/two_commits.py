@@ -32,16 +32,19 @@ from typing import Any
 import xarray as xr
 
 from precision_suite import files
-from precision_suite.jobs import git, judging, results
+from precision_suite.jobs import git, results
+from precision_suite.jobs.checking import finish, judge_case, report_folder
+from precision_suite.jobs.reference import Reference, load_project
 from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.train_specs import PROBLEMS
 from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
 from precision_suite.numerics.metric_table import METRICS
 from precision_suite.training.replays import replay_steps
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts.baselines import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances, same_numbers
+from precision_suite.verdicts.baseline_files import same_numbers
 from precision_suite.verdicts.differences import Difference, first_differences, first_of
 from precision_suite.verdicts.findings import CaseVerdict, verdict
+from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances
 
 # `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH: in the
 # user's tree, which may hold a precision_suite of its own (or its own `git`, `train`... modules).
@@ -253,9 +256,9 @@ def diff_tolerances(rules_file: str, fail: Sequence[str], metric: str | None = N
     """The tolerances HEAD is judged with: the defaults, the project's [tool.precision_suite]
     overrides, then --fail; as a full override table (None: a metric not compared). UsageError
     for a --metric that is not compared."""
-    _, project = judging.load_rules(rules_file)
+    project = load_project(rules_file)
     try:
-        table = resolve_tolerances(project, results.parse_fail_rules(fail))
+        table = resolve_tolerances(project.tolerances, results.parse_fail_rules(fail))
     except ValueError as exc:
         raise UsageError(f"tolerances: {exc}") from None
     if metric is not None and metric not in table:
@@ -279,7 +282,9 @@ def compare_sides(base: Mapping[str, xr.Dataset], head: Mapping[str, xr.Dataset]
     for spec in specs:
         case = case_id(spec)
         differences = () if same_numbers(base[case], head[case]) else tuple(first_differences(base[case], head[case]))
-        outcome = judging.judge_case(case, head[case], base[case], (), tolerances, report_dir, charts)
+        # HEAD against BASE's run: the change is judged, not the project's thresholds
+        against_base = Reference(case, tolerances=(tolerances,), baseline=base[case])
+        outcome = judge_case(head[case], against_base, report_dir, charts)
         if metric is not None:
             outcome = verdict(case, [f for f in outcome.findings if f.metric == metric], outcome.charts)
         compared.append(CaseDiff(case, differences, outcome))
@@ -301,10 +306,10 @@ def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, f
         folder = Path(name)
         base_runs = _train_tree(base, root, base_tree, specs, tool, folder / "base", workers)
         head_runs = _train_tree(head, root, head_tree, specs, tool, folder / "head", workers)
-        out = judging.report_dir(report_dir)
+        out = report_folder(report_dir)
         compared = compare_sides(base_runs, head_runs, specs, tolerances, out, charts, metric)
         measured = measure_cleanly(base, head, root, (base_tree, head_tree), specs, compared, tool, folder)
     print(f"{head.name} against {base.name} ({git.subject(root, base.sha)}):")
     for case in compared:
         print("\n".join(case.lines(metric) + (measured[case.case].lines(metric) if case.case in measured else [])))
-    return judging.finish([case.verdict for case in compared], head_runs, out, charts)
+    return finish([case.verdict for case in compared], head_runs, out, charts)

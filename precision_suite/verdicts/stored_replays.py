@@ -4,8 +4,8 @@ A case's replay (training.replays) trains its seed-0 run's last steps again from
 `baselines/replays/<case>.nc` holds that state, the baseline's own replay from it and the rounding
 tolerances its rounding twins measured (`replay_tolerance`, `replay_count_noise`), built by
 `build_replay`. `compare_replay` judges every point of a new replay as the ensemble judges a run's
-first point (verdicts.ensemble.point_finding): both start from the same numbers, so they agree
-within the twins' rounding unless the code changed, in either direction.
+first point (verdicts.ensemble.first_point.point_finding): both start from the same numbers, so
+they agree within the twins' rounding unless the code changed, in either direction.
 """
 
 from __future__ import annotations
@@ -15,13 +15,20 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
 import xarray as xr
 
 from precision_suite.files import safe_filename
+from precision_suite.numerics.metric_table import SPACES
 from precision_suite.training.replays import split_state
-from precision_suite.verdicts.baselines import BaselineError, default_regen_hint, load_baseline
-from precision_suite.verdicts.ensemble import (SPACES, all_series, counts_moved_together, first_step_count_noise,
-                                               first_step_tolerance, point_finding)
+from precision_suite.verdicts.baseline_files import BaselineError, default_regen_hint, load_baseline
+from precision_suite.verdicts.ensemble.first_point import (
+    counts_moved_together,
+    first_step_count_noise,
+    first_step_tolerance,
+    point_finding,
+)
+from precision_suite.verdicts.ensemble.series import all_series
 from precision_suite.verdicts.findings import Finding
 
 REPLAY_FOLDER = "replays"  # beside the case's ensemble baseline
@@ -76,7 +83,7 @@ def compare_replay(current: xr.Dataset, stored: xr.Dataset, regen_hint: str = ""
                 if found is not None:
                     findings.append(found)
                     break
-        if SPACES[s.metric].kind == "log_count":
+        if SPACES[s.metric].is_count:
             for t, time in enumerate(s.times):
                 found = counts_moved_together(case, s, 0, t, tol, f"replayed step {time}", against, regen_hint)
                 if found is not None:

@@ -3,7 +3,7 @@
 The store is a folder of plain files that a CI cache or artifact carries:
 
     STORE/precision-suite-history.json        {"history_schema_version": 1}
-    STORE/<host>/<case>/<full commit SHA>.nc   one record (verdicts.history.summarize), netCDF classic
+    STORE/<host>/<case>/<full commit SHA>.nc   one record (verdicts.history_records.summarize), netCDF classic
 
 netCDF, one small file per record, rather than one Zarr store with a growing `commit` dimension:
 netCDF is already how runs and baselines are kept, so no new dependency; and a record is
@@ -16,8 +16,8 @@ so the history is one dataset per host and case when it is read.
 
 Records are netCDF classic files written and read by scipy (already a dependency), not the
 HDF5-based netCDF4 of runs and baselines: a record is a few small arrays, and HDF5's per-variable
-overhead made reading one 22x slower (64 ms against 2.9 ms, measured on the default matrix's
-records), which is most of a 50-commit report. Classic files are uncompressed and 4x smaller here.
+overhead makes reading one an order of magnitude slower, most of a long report's time; the
+uncompressed classic files are smaller too (docs/performance.md).
 
 `<host>` is a short hash of the runs' fingerprint (vector ISA, device, threads, torch, Python, the
 platform's system, machine and C library) without the kernel's release, which runner images update
@@ -40,11 +40,14 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION, atomic_file, load_dataset, safe_filename, write_json
-from precision_suite.jobs import git, judging, results
+from precision_suite.jobs import git, results
+from precision_suite.jobs.checking import report_folder
+from precision_suite.jobs.reference import OPTIONAL, load_reference
 from precision_suite.jobs.selection import Selection
 from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, EXIT_OK, UsageError
-from precision_suite.reports.history import write_history_report
-from precision_suite.verdicts import baselines, history, replays
+from precision_suite.reports.history_report import write_history_report
+from precision_suite.verdicts.history_records import HISTORY_SCHEMA_VERSION, summarize
+from precision_suite.verdicts.history_steps import CaseHistory, case_history
 from precision_suite.version import __version__
 
 STORE_MARKER = "precision-suite-history.json"
@@ -83,9 +86,9 @@ def store_schema(store: Path, *, create: bool) -> Path:
         except (OSError, ValueError, AttributeError) as exc:
             raise UsageError(f"--store {store}: {marker} is not readable JSON ({exc}); restore it or "
                              "record into a new --store folder") from None
-        if version != history.HISTORY_SCHEMA_VERSION:
+        if version != HISTORY_SCHEMA_VERSION:
             raise UsageError(f"--store {store} holds history schema {version!r}, this precision-suite "
-                             f"{__version__} reads {history.HISTORY_SCHEMA_VERSION}; record into a new --store "
+                             f"{__version__} reads {HISTORY_SCHEMA_VERSION}; record into a new --store "
                              f"folder (or read this one with the precision-suite version that wrote it)")
         return store
     # hidden temp files are another recorder creating this store at the same time (files.atomic_path)
@@ -95,7 +98,7 @@ def store_schema(store: Path, *, create: bool) -> Path:
     if not create:
         raise UsageError(f"--store {store} holds no history yet; record runs into it first with "
                          "`precision-suite history record RESULTS --store DIR`")
-    write_json({"history_schema_version": history.HISTORY_SCHEMA_VERSION}, marker)
+    write_json({"history_schema_version": HISTORY_SCHEMA_VERSION}, marker)
     return store
 
 
@@ -121,21 +124,6 @@ def write_record(encoded: bytes, path: Path) -> None:
     """One record, atomically: a concurrent writer of the same path wins or loses whole."""
     with atomic_file(path) as handle:
         handle.write(encoded)
-
-
-def _stored(baseline_dir: str, case: str, spec: str) -> tuple[xr.Dataset | None, xr.Dataset | None, str]:
-    """The case's baseline ensemble and stored replay (None where it has none: a user's model
-    without a baseline), and why there is no ensemble ('' when there is): the record then carries
-    no noise level."""
-    try:
-        ensemble = baselines.load_ensemble(baselines.baseline_path(baseline_dir, case), expected_spec=spec)
-    except baselines.BaselineError as exc:
-        return None, None, str(exc).split(";")[0]
-    try:
-        stored_replay = replays.load_replay(baseline_dir, case, expected_spec=spec)
-    except baselines.BaselineError:
-        stored_replay = None
-    return ensemble, stored_replay, ""
 
 
 def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "HEAD", branch: str | None = None,
@@ -166,10 +154,14 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
               f"recorded as commit {sha[:12]}", file=sys.stderr)
     records = []
     for case, ds in runs.items():
-        ensemble, stored_replay, missing = _stored(baseline_dir, case, ds.attrs.get("spec"))
+        # a case without a baseline (a user's model with none) records no noise level
+        reference = load_reference(case, ds.attrs.get("spec"), baseline_dir=baseline_dir, baseline=OPTIONAL,
+                                   replay=OPTIONAL)
+        missing = reference.missing.get("baseline", "").split(";")[0]
         host, fingerprint = host_of(ds)
         seed = int(json.loads(ds.attrs.get("spec") or "{}").get("seed") or 0)
-        record = history.summarize(ds, ensemble=ensemble, replay=replayed.get(case), stored_replay=stored_replay)
+        record = summarize(ds, ensemble=reference.baseline, replay=replayed.get(case),
+                                   stored_replay=reference.stored_replay)
         record = record.assign_attrs(case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host,
                                      fingerprint=json.dumps(fingerprint, sort_keys=True),
                                      recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -191,7 +183,7 @@ RECORD_ATTRS = ("case", "host", "fingerprint", "commit", "commit_time", "commit_
 
 
 def load_histories(store: Path, keep: Selection, since: str | None, branch: str | None = None
-                   ) -> list[history.CaseHistory]:
+                   ) -> list[CaseHistory]:
     """Every host and case of the store that `keep` selects, its records along `commit` in the
     order of the first-parent history (`git.commit_info`'s depth; commit time between equal
     depths), from the commit `since` names on, of `branch` only when given."""
@@ -229,10 +221,10 @@ def _read_record(store: Path, file: Path) -> xr.Dataset:
         reason = (str(exc).strip().splitlines() or [""])[0]
         raise UsageError(f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {reason}); "
                          "delete it and record that commit again") from None
-    if record.attrs.get("history_schema_version") != history.HISTORY_SCHEMA_VERSION:
+    if record.attrs.get("history_schema_version") != HISTORY_SCHEMA_VERSION:
         raise UsageError(f"--store {store}: record {file} has history schema "
                          f"{record.attrs.get('history_schema_version')!r}, this version reads "
-                         f"{history.HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
+                         f"{HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
     missing = [name for name in RECORD_ATTRS if name not in record.attrs]
     if missing:
         raise UsageError(f"--store {store}: record {file} lacks {', '.join(missing)} (not written by "
@@ -240,13 +232,13 @@ def _read_record(store: Path, file: Path) -> xr.Dataset:
     return record
 
 
-def _case_history(name: str, records: list[xr.Dataset]) -> history.CaseHistory:
+def _case_history(name: str, records: list[xr.Dataset]) -> CaseHistory:
     records.sort(key=lambda r: (int(r.attrs["commit_depth"]), _dt.datetime.fromisoformat(r.attrs["commit_time"]),
                                 r.attrs["commit"]))
     commits = [{key: r.attrs[key] for key in ("commit", "commit_time", "subject", "branch")} for r in records]
     data = xr.concat(records, dim="commit", join="outer", coords="minimal", compat="override", combine_attrs="drop")
     last = records[-1].attrs
-    return history.case_history(name, last["host"], host_label(json.loads(last["fingerprint"])), commits,
+    return case_history(name, last["host"], host_label(json.loads(last["fingerprint"])), commits,
                                 data.assign_coords(commit=[c["commit"] for c in commits]))
 
 
@@ -255,7 +247,7 @@ def report_history(store_dir: str, keep: Selection, *, since: str | None, branch
     """Per host and case: the headline series over commits, their steps, the report folder."""
     store = store_schema(Path(store_dir), create=False)
     cases = load_histories(store, keep, since, branch)
-    out = judging.report_dir(report_dir)  # only once the store has been read: nothing written on bad input
+    out = report_folder(report_dir)  # only once the store has been read: nothing written on bad input
     write_history_report(cases, out, charts=charts)
     for case in cases:
         print(f"{case.case} (host {case.host}: {case.host_label}): {len(case.commits)} commit(s), "

@@ -1,25 +1,30 @@
 """Baseline regeneration: train each spec's seed ensemble (and the first step of its first seed
 under each rounding twin), then replay its last steps from the state its first seed kept (under
-each rounding twin too), and write the baselines and stored replays that changed. Used by `precision-suite baseline update` and
-by the plugin's --precision-regen; reading, writing and comparing the files is verdicts.baselines.
+each rounding twin too), and write the baselines and stored replays that changed. Used by
+`precision-suite baseline update` (`update_baselines`) and by the plugin's --precision-regen;
+reading and writing the files is verdicts.baseline_files and verdicts.stored_replays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import xarray as xr
 
+from precision_suite.jobs import train
 from precision_suite.jobs.execution import Done, Task, run_tasks
+from precision_suite.jobs.selection import Selection, selected_specs
 from precision_suite.jobs.twins import rounding_twins
+from precision_suite.jobs.usage import EXIT_OK
 from precision_suite.training.replays import has_state, replay_start, split_state
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts.baselines import baseline_path, build_ensemble, update_baseline
-from precision_suite.verdicts.ensemble import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS
-from precision_suite.verdicts.replays import build_replay, replay_path
+from precision_suite.verdicts.baseline_files import baseline_path, update_baseline
+from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS, MEAN_Z_HELD_OUT_SEEDS, build_ensemble
+from precision_suite.verdicts.stored_replays import build_replay, replay_path
 
 
 def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Task]:
@@ -99,3 +104,21 @@ def _grouped(results: Sequence[xr.Dataset], per_spec: Sequence[Sequence[Task]]) 
         grouped.append(list(results[start:start + len(tasks)]))
         start += len(tasks)
     return grouped
+
+
+def update_baselines(selection: Selection, *, baseline_dir: str, workers: int | None,
+                     scheduler: str | None) -> int:
+    """Train the selection's seed ensembles and (over)write their baselines."""
+    specs = selected_specs(selection)
+    where = train.placement(workers, scheduler)
+    n_tasks = sum(regeneration_size(spec) for spec in specs)
+    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and held-out seeds, the first steps of their rounding "
+          f"twins, replays of their last steps) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
+    with train.execution_errors(where):  # raised before any baseline is written
+        written = regenerate(specs, baseline_dir, where.workers, train.task_progress(n_tasks),
+                             scheduler=where.scheduler)
+    for path, changed in written:
+        print(f"{'wrote' if changed else 'unchanged'} {path}")
+    print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {baseline_dir}` "
+          "and commit them with the change that explains them")
+    return EXIT_OK
