@@ -78,6 +78,7 @@ _FLOOR = -64
 _KEEP_FRACTION = ~((1 << (23 - FRACTION_BITS)) - 1)  # float32 bits kept by the result's truncation
 _CANONICAL_NAN = 0x7FFFFFFF
 _STEP_BUDGET = 1 << 22  # products per eager step: a tile's temporaries stay near 16 MB
+_CHAIN_BUDGET = 1 << 23  # chain values per compiled step (32 MB)
 
 
 @dataclass(frozen=True)
@@ -241,10 +242,11 @@ def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, 
 _compiled_steps: list[Callable] = []
 
 
-def _steps(products: int) -> tuple[Callable, Callable]:
-    """The two chain steps, compiled for GEMMs of COMPILE_MIN_PRODUCTS products or more."""
+def _steps(products: int) -> tuple[Callable, Callable] | None:
+    """The two chain steps compiled, for GEMMs of COMPILE_MIN_PRODUCTS products or more (None:
+    stay eager)."""
     if not quantization.compiling(products, COMPILE_MIN_PRODUCTS, run_decides=False):
-        return _alignment, _add_group
+        return None
     if not _compiled_steps:
         for fn in (_alignment, _add_group):
             tag = f"precision_suite accumulation {fn.__qualname__}"
@@ -280,16 +282,19 @@ def _chains(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, length: 
     a = torch.nn.functional.pad(a, (0, runs * length - k))
     b = torch.nn.functional.pad(b, (0, 0, 0, runs * length - k))
     # (run, group, element of the group, row): the group's elements lead, so its reduction sums planes
-    a_groups = a.reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0)
+    a_groups = a.reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0).contiguous()
     b_groups = b.reshape(runs, groups, GROUP, n)
     dtype = torch.float32 if emin_a == emin_b == get_format("e4m3").element.emin else torch.float64
     weights_a = _weights(_exponents(a_groups, emin_a), dtype)
     weights_b = _weights(_exponents(b_groups, emin_b), dtype)
-    alignment, add_group = _steps(m * n * k)
+    steps = _steps(m * n * k)
+    alignment, add_group = steps if steps is not None else (_alignment, _add_group)
     out = torch.empty(runs, m, n, device=a.device)
-    # tiles of runs and rows bound an eager step's temporaries; compiled, they only set call sizes
-    tile_runs = max(1, min(runs, _STEP_BUDGET // (GROUP * n * m)))
-    tile_rows = max(1, min(m, _STEP_BUDGET // (GROUP * n * tile_runs)))
+    # Eagerly a step's temporaries hold GROUP products per output: tiles of runs and rows bound
+    # them. Compiled kernels hold none, so their tiles only bound the chains held at once.
+    budget = _STEP_BUDGET // GROUP if steps is None else _CHAIN_BUDGET
+    tile_runs = max(1, min(runs, budget // (n * m)))
+    tile_rows = max(1, min(m, budget // (n * tile_runs)))
     for r0 in range(0, runs, tile_runs):
         rs = slice(r0, r0 + tile_runs)
         for m0 in range(0, m, tile_rows):
@@ -298,8 +303,7 @@ def _chains(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, length: 
             for g in range(groups):
                 weight_sums = torch.bmm(weights_a[rs, g, :, ms].transpose(1, 2), weights_b[rs, g])
                 inverse_quantum, quantum = alignment(weight_sums, chain)
-                chain = add_group(a_groups[rs, g, :, ms].contiguous(), b_groups[rs, g].contiguous(),
-                                  inverse_quantum, quantum, chain)
+                chain = add_group(a_groups[rs, g, :, ms], b_groups[rs, g], inverse_quantum, quantum, chain)
             out[rs, ms] = chain
     return out
 

@@ -19,10 +19,17 @@ puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models
 to it beside the live tensor it came from, and ``Operand.mismatches`` counts the consumed elements
 that a fresh quantization of the live tensor cannot produce (a stale cache, a wrong axis or format).
 
+Each GEMM also says how its products are summed (``Gemm.accumulation``): in float32 (the
+default, every recipe's GEMM before), or as an H100's FP8 tensor cores do, fast or promoted
+(numerics/accumulation.py); ``QuantLinearFn`` then computes that GEMM with the emulation
+(``emulated_gemm``), from the FP8 elements and scales of what it consumed (``Operand.factors``).
+
 Like torchao's recipe configs, each named recipe carries its source, and a Recipe checks itself
 when built. Named recipes: ``fp8-block``, ``fp8-hybrid``, ``mxfp8``, ``nvfp4`` (a plain block
-scheme), ``nvfp4-training``; any measurement scheme name (``e4m3:tensor``, ``bf16``) is a recipe
-too; and user recipes come from TOML (``recipes_from_toml``).
+scheme), ``nvfp4-training``, and ``fp8-hybrid-hopper``, ``fp8-block-hopper`` (their FP8 operands
+accumulated as Transformer Engine, torchao and DeepSeek-V3 accumulate them on an H100); any
+measurement scheme name (``e4m3:tensor``, ``bf16``) is a recipe too; and user recipes come from
+TOML (``recipes_from_toml``).
 """
 
 from __future__ import annotations
@@ -274,6 +281,7 @@ class Recipe:
                    and not (reused and where == "dgrad.b"))
 
     def describe(self) -> dict[str, Any]:
+        """Each GEMM's operands, Hadamard size and accumulation, as `recipes_from_toml` reads them."""
         return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard, "accumulate": g.accumulation.text()}
                 for gemm, g in (("fprop", self.fprop), ("dgrad", self.dgrad), ("wgrad", self.wgrad))}
 
@@ -371,9 +379,11 @@ def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]
 
         [recipes.my-hybrid]
         source = "why and where from"
-        fprop = { a = "e4m3:tensor", b = "e4m3:tensor" }
-        dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }
+        fprop = { a = "e4m3:tensor", b = "e4m3:tensor", accumulate = "hopper-fast" }
+        dgrad = { a = "e5m2:tensor", b = "e4m3:tensor", accumulate = "hopper-promoted:128" }
         wgrad = { a = "e5m2:1x128:stochastic", b = "fp32", hadamard = 0 }
+
+    (``accumulate``: "fp32", the default, "hopper-fast", "hopper-promoted[:N]".)
 
     ValueError names the table and field at fault."""
     recipes = {}
