@@ -10,6 +10,7 @@ is slow, but K reaches 8192.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from fractions import Fraction
@@ -170,6 +171,24 @@ def rn32(x: Fraction) -> float:
     return math.copysign(float(whole * quantum), x)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(-60, 60), st.integers(-60, 60), st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=3, max_size=3))
+def test_the_promotions_multiply_add_rounds_once(e1, e2, free):
+    """x * y + z rounded once to float32, as a GPU's FFMA: on products that sit a hair off a
+    float32 tie of the sum (where rounding through float64 first would land on the tie and round
+    to even), times powers of two, and on any float32 triple."""
+    x, y, z = [], [], []
+    for i, j, k, sign in itertools.product(range(-4, 5), range(-4, 5), range(4), (1, -1)):
+        x.append((1 + i * 2.0**-23 if i >= 0 else 1 + i * 2.0**-24) * 2.0**e1)
+        y.append(sign * 2.0**-24 * (1 + j * 2.0**-23 if j >= 0 else 1 + j * 2.0**-24) * 2.0**e2)
+        z.append((1 + k * 2.0**-23) * 2.0 ** (e1 + e2))
+    x, y, z = x + free[:1], y + free[1:2], z + free[2:]
+    ours = accumulation._fma32(*(torch.tensor(v, dtype=torch.float32) for v in (x, y, z)))
+    x, y, z = (torch.tensor(v, dtype=torch.float32).tolist() for v in (x, y, z))  # the float32 values
+    expected = [rn32(Fraction(a) * Fraction(b) + Fraction(c)) for a, b, c in zip(x, y, z)]
+    assert torch.equal(bits(ours), bits(torch.tensor(expected, dtype=torch.float32)))
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 700), st.sampled_from([32, 64, 128]),
        st.integers(0, 2**31 - 1))
@@ -292,9 +311,9 @@ def test_error_is_bounded_by_the_modelled_fraction_bits(operands, mode):
         return  # IEEE specials are exact by their own rule
     c = accumulate(a, w.t(), mode).double()
     r = a32.double() @ b32.double()
-    emin = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
-    nominal = torch.exp2(accumulation._exponents(a32, emin[a.dtype]).double())
-    nominal_b = torch.exp2(accumulation._exponents(b32, emin[w.dtype]).double())
+    emin = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}  # subnormals keep the smallest normal exponent
+    nominal = torch.exp2((torch.frexp(a32.double())[1] - 1).clamp(min=emin[a.dtype]).double())
+    nominal_b = torch.exp2((torch.frexp(b32.double())[1] - 1).clamp(min=emin[w.dtype]).double())
     weight = torch.maximum((a32.double().abs()[:, :, None] * b32.double().abs()[None]),
                            torch.where((a32 != 0)[:, :, None] & (b32 != 0)[None],
                                        nominal[:, :, None] * nominal_b[None], 0.0)).sum(1)

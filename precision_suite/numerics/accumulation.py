@@ -149,9 +149,9 @@ def _operand(x: torch.Tensor, element: str | None, name: str) -> tuple[torch.Ten
 
 
 def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str
-              ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """a (M, K) and b (K, N) as float32 values, with their elements' smallest normal exponents.
-    ``fp32`` takes any floating-point operands (a float32 GEMM of whatever they hold)."""
+              ) -> tuple[torch.Tensor, torch.Tensor, str, str]:
+    """a (M, K) and b (K, N) as float32 values, with their elements' names. ``fp32`` takes any
+    floating-point operands (a float32 GEMM of whatever they hold)."""
     if mode == "fp32":
         for x, name in ((a, "a"), (b, "b")):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
@@ -159,7 +159,7 @@ def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None
                                  f"{getattr(x, 'shape', '')}")
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a GEMM needs a (M, K) and b (K, N)")
-        return a.float(), b.float(), 0, 0
+        return a.float(), b.float(), "", ""
     element_a, element_b = elements if elements is not None else (None, None)
     a, element_a = _operand(a, element_a, "a")
     b, element_b = _operand(b, element_b, "b")
@@ -170,7 +170,7 @@ def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None
                          "operand e4m3")
     if a.device != b.device:
         raise ValueError(f"a is on {a.device} and b on {b.device}")
-    return a, b, get_format(element_a).element.emin, get_format(element_b).element.emin
+    return a, b, element_a, element_b
 
 
 def _check_mode(mode: str, chunk: int) -> None:
@@ -186,29 +186,27 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + 127) << 23).view(torch.float32)
 
 
-def _exponents(values: torch.Tensor, emin: int) -> torch.Tensor:
-    """The clamped exponent e(x) of step 1 (int32), _ZERO for zeros. FP8 values are normal
-    float32 numbers (the smallest, 2^-16, is far above float32's subnormals)."""
-    field = (values.view(torch.int32) >> 23) & 0xFF
-    return torch.where(values == 0, _ZERO, (field - 127).clamp_min(emin))
-
-
 # The largest product exponent of a group, max over k of e(a_k) + e(b_k), comes from a matrix
 # product: with w(x) = 2^(8 e(x) - 4) (0 for a zero), sum_k w(a_k) w(b_k) lies in
 # [2^(8 E - 8), 32 * 2^(8 E - 8)], exactly where its terms are, so its exponent shifted right by 3
 # is E - 1 (and rounding cannot cross those powers of two). Float32 holds the weights of E4M3
 # pairs (8 E - 8 within [-104, 120]); E5M2's wider exponents take float64.
 _WEIGHT_BITS = 3
+_weight_tables: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _weights(exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w(x) = 2^(8 e(x) - 4), 0 where x is zero, in `dtype`."""
-    scaled = (exponents << _WEIGHT_BITS) - 4
-    if dtype == torch.float32:
-        weights = ((scaled + 127) << 23).view(torch.float32)
-    else:
-        weights = ((scaled.long() + 1023) << 52).view(torch.float64)
-    return torch.where(exponents == _ZERO, 0.0, weights).to(dtype)
+def _weights(values: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
+    """w(x) of each FP8 value (0 for zeros and the non-finite codes, which read as zeros), from a
+    table over the element's 256 codes. e(x) is step 1's clamped exponent."""
+    key = (element, dtype, values.device)
+    if key not in _weight_tables:
+        grid = get_format(element).element
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
+        exponents = torch.frexp(codes)[1].double().sub(1).clamp(min=grid.emin)
+        weights = torch.exp2(exponents * 2**_WEIGHT_BITS - 4)
+        _weight_tables[key] = torch.where((codes != 0) & codes.isfinite(), weights, 0.0).to(dtype).to(values.device)
+    codes = values.to(getattr(torch, get_format(element).element.torch_dtype)).view(torch.uint8)
+    return _weight_tables[key][codes.int()]
 
 
 def _alignment(weight_sums: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,8 +233,8 @@ def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, 
     is an integer below 2^15 and their sum below 2^21; times the quantum it is exact again."""
     terms = torch.trunc(a[:, :, :, None] * b[:, :, None, :] * inverse_quantum[:, None]).sum(1)
     total = (terms + torch.trunc(chain * inverse_quantum)) * quantum
-    kept = (total.view(torch.int32) & _KEEP_FRACTION).view(torch.float32)
-    return torch.where(kept == 0, 0.0, kept)  # a zero result is +0
+    # A zero result is +0 (round to nearest adds -0 and +0 to +0), as the hardware's
+    return (total.view(torch.int32) & _KEEP_FRACTION).view(torch.float32)
 
 
 _compiled_steps: list[Callable] = []
@@ -273,7 +271,7 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
     return call
 
 
-def _chains(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, length: int) -> torch.Tensor:
+def _chains(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, length: int) -> torch.Tensor:
     """The chain results (G, M, N) over consecutive runs of `length` elements of K (the last run
     zero padded): one run for hopper-fast, one per chunk for hopper-promoted."""
     (m, k), n = a.shape, b.shape[1]
@@ -284,9 +282,10 @@ def _chains(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, length: 
     # (run, group, element of the group, row): the group's elements lead, so its reduction sums planes
     a_groups = a.reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0).contiguous()
     b_groups = b.reshape(runs, groups, GROUP, n)
-    dtype = torch.float32 if emin_a == emin_b == get_format("e4m3").element.emin else torch.float64
-    weights_a = _weights(_exponents(a_groups, emin_a), dtype)
-    weights_b = _weights(_exponents(b_groups, emin_b), dtype)
+    dtype = torch.float32 if element_a == element_b == "e4m3" else torch.float64
+    # (run, group, row, element of the group): ready for a batched matrix product without a copy
+    weights_a = _weights(a, element_a, dtype).reshape(m, runs, groups, GROUP).permute(1, 2, 0, 3).contiguous()
+    weights_b = _weights(b, element_b, dtype).reshape(runs, groups, GROUP, n)
     steps = _steps(m * n * k)
     alignment, add_group = steps if steps is not None else (_alignment, _add_group)
     out = torch.empty(runs, m, n, device=a.device)
@@ -301,7 +300,7 @@ def _chains(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, length: 
             ms = slice(m0, m0 + tile_rows)
             chain = torch.zeros(min(tile_runs, runs - r0), min(tile_rows, m - m0), n, device=a.device)
             for g in range(groups):
-                weight_sums = torch.bmm(weights_a[rs, g, :, ms].transpose(1, 2), weights_b[rs, g])
+                weight_sums = torch.bmm(weights_a[rs, g, ms], weights_b[rs, g])
                 inverse_quantum, quantum = alignment(weight_sums, chain)
                 chain = add_group(a_groups[rs, g, :, ms], b_groups[rs, g], inverse_quantum, quantum, chain)
             out[rs, ms] = chain
@@ -340,22 +339,23 @@ def _patched(out: torch.Tensor, special: tuple[torch.Tensor, torch.Tensor] | Non
     return out if special is None else torch.where(special[0], special[1], out)
 
 
-def _partials(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, mode: str, chunk: int,
+def _partials(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, mode: str, chunk: int,
               special: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The chain results (G, M, N) of a hopper mode (K > 0), non-finite elements read as zeros
     (`special` says where the outputs are not finite)."""
     if special is not None:
         a, b = _finite(a), _finite(b)
-    return _chains(a, b, emin_a, emin_b, a.shape[1] if mode == "hopper-fast" else chunk)
+    return _chains(a, b, element_a, element_b, a.shape[1] if mode == "hopper-fast" else chunk)
 
 
-def _accumulate(a: torch.Tensor, b: torch.Tensor, emin_a: int, emin_b: int, mode: str, chunk: int) -> torch.Tensor:
+def _accumulate(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, mode: str, chunk: int
+                ) -> torch.Tensor:
     if mode == "fp32":
         return a @ b
     if a.numel() == 0 or b.numel() == 0:
         return torch.zeros(a.shape[0], b.shape[1], device=a.device)
     special = _nonfinite(a, b)
-    partials = _partials(a, b, emin_a, emin_b, mode, chunk, special)
+    partials = _partials(a, b, element_a, element_b, mode, chunk, special)
     total = partials[0]
     for partial in partials[1:]:  # promotion: float32 additions in K order
         total = total + partial
@@ -432,13 +432,13 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     scales that change along K need ``hopper-promoted`` with each interval inside one scale block,
     and are applied to each interval's result on promotion by a fused multiply-add."""
     _check_mode(mode, chunk)
-    a, b, emin_a, emin_b = _operands(a, b, elements, mode)
+    a, b, element_a, element_b = _operands(a, b, elements, mode)
     (m, k), n = a.shape, b.shape[1]
     scale_a, scale_b = _scale(scale_a, (m, k), "scale_a", a.device), _scale(scale_b, (k, n), "scale_b", a.device)
     if mode == "fp32":
         return (a * scale_a) @ (b * scale_b)
     if _constant_along(scale_a, 1) and _constant_along(scale_b, 0):
-        return _accumulate(a, b, emin_a, emin_b, mode, chunk) * (scale_a[:, :1] * scale_b[:1])
+        return _accumulate(a, b, element_a, element_b, mode, chunk) * (scale_a[:, :1] * scale_b[:1])
     if mode == "hopper-fast":
         raise ValueError("hopper-fast accumulates all of K in one tensor-core chain, which cannot apply a scale "
                          "that changes along K: use scales per tensor, row or column, or hopper-promoted")
@@ -448,7 +448,7 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     per_chunk_b = _chunk_scales(scale_b, 0, chunk, "scale_b")
     special = _nonfinite(a, b)
     total = torch.zeros(m, n, device=a.device)
-    for index, partial in enumerate(_partials(a, b, emin_a, emin_b, mode, chunk, special)):
+    for index, partial in enumerate(_partials(a, b, element_a, element_b, mode, chunk, special)):
         column = min(index, per_chunk_a.shape[1] - 1)
         row = min(index, per_chunk_b.shape[0] - 1)
         total = _fma32(partial, per_chunk_a[:, column:column + 1] * per_chunk_b[row:row + 1], total)
