@@ -233,7 +233,8 @@ def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, 
     is an integer below 2^15 and their sum below 2^21; times the quantum it is exact again."""
     terms = torch.trunc(a[:, :, :, None] * b[:, :, None, :] * inverse_quantum[:, None]).sum(1)
     total = (terms + torch.trunc(chain * inverse_quantum)) * quantum
-    # A zero result is +0 (round to nearest adds -0 and +0 to +0), as the hardware's
+    # a zero result is +0, as the hardware's: the chain starts from +0, the group's largest
+    # product never truncates to zero, and a sum that cancels is +0 under round to nearest
     return (total.view(torch.int32) & _KEEP_FRACTION).view(torch.float32)
 
 
