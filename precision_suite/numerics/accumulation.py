@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -123,35 +124,42 @@ def _check_interval(interval: object) -> None:
 
 # ----------------------------------------------------------------------------- operands
 
-def _operand(x: torch.Tensor, element: str | None, name: str) -> tuple[torch.Tensor, str]:
-    """(float32 values, element name) of a GEMM operand: a float8 tensor, or float32 values of
-    the named element (checked: each value must be one of the element's)."""
+class _FP8(NamedTuple):
+    """A checked GEMM operand: its values as float32, its FP8 codes and its element's name."""
+
+    values: torch.Tensor
+    codes: torch.Tensor | None  # uint8; None for an fp32 GEMM's operand
+    element: str
+
+
+def _operand(x: torch.Tensor, element: str | None, name: str) -> _FP8:
+    """A GEMM operand: a float8 tensor, or float32 values of the named element (checked: each
+    value must be one of the element's)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"{name} must be a 2-D tensor, got {type(x).__name__} {getattr(x, 'shape', '')}")
     by_dtype = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
     if x.dtype in by_dtype:
         if element not in (None, by_dtype[x.dtype]):
             raise ValueError(f"{name} is {x.dtype} but its element is given as {element!r}")
-        return x.float(), by_dtype[x.dtype]
+        return _FP8(x.float(), x.view(torch.uint8), by_dtype[x.dtype])
     if element is None:
         raise ValueError(f"{name} is {x.dtype}: pass elements=(\"e4m3\" or \"e5m2\", ...) to say which FP8 "
                          "element its values are, or a float8 tensor")
     if element not in HOPPER_ELEMENTS:
         raise ValueError(f"{name}: element {element!r} has no tensor-core accumulation model; use e4m3 or e5m2")
     x = x.float()
-    fp8 = getattr(torch, get_format(element).element.torch_dtype)
-    on_grid = (x.to(fp8).float() == x) | x.isnan()
+    fp8 = x.to(getattr(torch, get_format(element).element.torch_dtype))
+    on_grid = (fp8.float() == x) | x.isnan()
     if not bool(on_grid.all()):
         value = x[~on_grid].flatten()[0].item()
         raise ValueError(f"{name} holds {value!r}, not an {element} value: pass the FP8 elements (dequantized "
                          "values over their scales, `split_dequantized`), not the dequantized tensor")
-    return x, element
+    return _FP8(x, fp8.view(torch.uint8), element)
 
 
-def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str
-              ) -> tuple[torch.Tensor, torch.Tensor, str, str]:
-    """a (M, K) and b (K, N) as float32 values, with their elements' names. ``fp32`` takes any
-    floating-point operands (a float32 GEMM of whatever they hold)."""
+def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str) -> tuple[_FP8, _FP8]:
+    """a (M, K) and b (K, N) checked. ``fp32`` takes any floating-point operands (a float32 GEMM
+    of whatever they hold: no codes, no element)."""
     if mode == "fp32":
         for x, name in ((a, "a"), (b, "b")):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
@@ -159,18 +167,18 @@ def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None
                                  f"{getattr(x, 'shape', '')}")
         if a.shape[1] != b.shape[0]:
             raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a GEMM needs a (M, K) and b (K, N)")
-        return a.float(), b.float(), "", ""
+        return _FP8(a.float(), None, ""), _FP8(b.float(), None, "")
     element_a, element_b = elements if elements is not None else (None, None)
-    a, element_a = _operand(a, element_a, "a")
-    b, element_b = _operand(b, element_b, "b")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a GEMM needs a (M, K) and b (K, N)")
-    if element_a == element_b == "e5m2":
+    a, b = _operand(a, element_a, "a"), _operand(b, element_b, "b")
+    if a.values.shape[1] != b.values.shape[0]:
+        raise ValueError(f"a is {tuple(a.values.shape)} and b is {tuple(b.values.shape)}: a GEMM needs a (M, K) and "
+                         "b (K, N)")
+    if a.element == b.element == "e5m2":
         raise ValueError("E5M2 x E5M2 has no accumulation model: cuBLAS and torch._scaled_mm refuse it; make one "
                          "operand e4m3")
-    if a.device != b.device:
-        raise ValueError(f"a is on {a.device} and b on {b.device}")
-    return a, b, element_a, element_b
+    if a.values.device != b.values.device:
+        raise ValueError(f"a is on {a.values.device} and b on {b.values.device}")
+    return a, b
 
 
 def _check_mode(mode: str, chunk: int) -> None:
@@ -189,23 +197,23 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
 # The largest product exponent of a group, max over k of e(a_k) + e(b_k), comes from a matrix
 # product: with w(x) = 2^(8 e(x) - 4) (0 for a zero), sum_k w(a_k) w(b_k) lies in
 # [2^(8 E - 8), 32 * 2^(8 E - 8)], exactly where its terms are, so its exponent shifted right by 3
-# is E - 1 (and rounding cannot cross those powers of two). Float32 holds the weights of E4M3
-# pairs (8 E - 8 within [-104, 120]); E5M2's wider exponents take float64.
+# is E - 1: both ends are powers of two, so no rounding of the sum (in any order, at any
+# precision) leaves that range. bfloat16 holds the weights of E4M3 pairs (8 E - 8 within
+# [-104, 120]) and its matrix products are the fastest; E5M2's wider exponents take float64.
 _WEIGHT_BITS = 3
 _weight_tables: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _weights(values: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
-    """w(x) of each FP8 value (0 for zeros and the non-finite codes, which read as zeros), from a
+def _weights(codes: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
+    """w(x) of each FP8 code (0 for zeros and the non-finite codes, which read as zeros), from a
     table over the element's 256 codes. e(x) is step 1's clamped exponent."""
-    key = (element, dtype, values.device)
+    key = (element, dtype, codes.device)
     if key not in _weight_tables:
         grid = get_format(element).element
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
-        exponents = torch.frexp(codes)[1].double().sub(1).clamp(min=grid.emin)
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
+        exponents = torch.frexp(values)[1].double().sub(1).clamp(min=grid.emin)
         weights = torch.exp2(exponents * 2**_WEIGHT_BITS - 4)
-        _weight_tables[key] = torch.where((codes != 0) & codes.isfinite(), weights, 0.0).to(dtype).to(values.device)
-    codes = values.to(getattr(torch, get_format(element).element.torch_dtype)).view(torch.uint8)
+        _weight_tables[key] = torch.where((values != 0) & values.isfinite(), weights, 0.0).to(dtype).to(codes.device)
     return _weight_tables[key][codes.int()]
 
 
@@ -214,10 +222,10 @@ def _alignment(weight_sums: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Te
     group's largest product exponent (from `weight_sums`, see `_weights`) and the chain's.
 
     weight_sums, chain: (C, M, N). Returns two (C, M, N) float32 tensors."""
-    if weight_sums.dtype == torch.float32:
-        field = (weight_sums.view(torch.int32) >> 23) - 127
-    else:
+    if weight_sums.dtype == torch.float64:
         field = ((weight_sums.view(torch.int64) >> 52) - 1023).int()
+    else:  # bfloat16, exactly as float32
+        field = (weight_sums.float().view(torch.int32) >> 23) - 127
     largest = torch.where(weight_sums == 0, _ZERO, ((field + 8) >> _WEIGHT_BITS))
     chain_exp = torch.where(chain == 0, _ZERO, ((chain.view(torch.int32) >> 23) & 0xFF) - 127)
     e = torch.maximum(largest, chain_exp).clamp_min(_FLOOR)
@@ -272,24 +280,27 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
     return call
 
 
-def _chains(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, length: int) -> torch.Tensor:
+def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
     """The chain results (G, M, N) over consecutive runs of `length` elements of K (the last run
-    zero padded): one run for hopper-fast, one per chunk for hopper-promoted."""
-    (m, k), n = a.shape, b.shape[1]
+    zero padded): one run for hopper-fast, one per chunk for hopper-promoted. Non-finite values
+    must have been replaced by zeros (their codes read as zeros)."""
+    (m, k), n = a.values.shape, b.values.shape[1]
     length = -(-min(length, k) // GROUP) * GROUP  # no longer than K, in whole groups
     runs, groups = -(-k // length), length // GROUP
-    a = torch.nn.functional.pad(a, (0, runs * length - k))
-    b = torch.nn.functional.pad(b, (0, 0, 0, runs * length - k))
+    pad = runs * length - k
     # (run, group, element of the group, row): the group's elements lead, so its reduction sums planes
-    a_groups = a.reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0).contiguous()
-    b_groups = b.reshape(runs, groups, GROUP, n)
-    dtype = torch.float32 if element_a == element_b == "e4m3" else torch.float64
+    a_groups = torch.nn.functional.pad(a.values, (0, pad)).reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0)
+    a_groups = a_groups.contiguous()
+    b_groups = torch.nn.functional.pad(b.values, (0, 0, 0, pad)).reshape(runs, groups, GROUP, n)
+    dtype = torch.bfloat16 if a.element == b.element == "e4m3" else torch.float64
     # (run, group, row, element of the group): ready for a batched matrix product without a copy
-    weights_a = _weights(a, element_a, dtype).reshape(m, runs, groups, GROUP).permute(1, 2, 0, 3).contiguous()
-    weights_b = _weights(b, element_b, dtype).reshape(runs, groups, GROUP, n)
+    weights_a = _weights(torch.nn.functional.pad(a.codes, (0, pad)), a.element, dtype)
+    weights_a = weights_a.reshape(m, runs, groups, GROUP).permute(1, 2, 0, 3).contiguous()
+    weights_b = _weights(torch.nn.functional.pad(b.codes, (0, 0, 0, pad)), b.element, dtype).reshape(
+        runs, groups, GROUP, n)
     steps = _steps(m * n * k)
     alignment, add_group = steps if steps is not None else (_alignment, _add_group)
-    out = torch.empty(runs, m, n, device=a.device)
+    out = torch.empty(runs, m, n, device=a.values.device)
     # Eagerly a step's temporaries hold GROUP products per output: tiles of runs and rows bound
     # them. Compiled kernels hold none, so their tiles only bound the chains held at once.
     budget = _STEP_BUDGET // GROUP if steps is None else _CHAIN_BUDGET
@@ -299,7 +310,7 @@ def _chains(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, le
         rs = slice(r0, r0 + tile_runs)
         for m0 in range(0, m, tile_rows):
             ms = slice(m0, m0 + tile_rows)
-            chain = torch.zeros(min(tile_runs, runs - r0), min(tile_rows, m - m0), n, device=a.device)
+            chain = torch.zeros(min(tile_runs, runs - r0), min(tile_rows, m - m0), n, device=a.values.device)
             for g in range(groups):
                 weight_sums = torch.bmm(weights_a[rs, g, ms], weights_b[rs, g])
                 inverse_quantum, quantum = alignment(weight_sums, chain)
@@ -312,7 +323,8 @@ def _nonfinite(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """(where, value): the outputs whose IEEE dot product is not finite and that value (NaN as
     0x7FFFFFFF), or None when a and b are finite. Counted with 0/1 matrix products (exact), never
     by a BLAS computing Inf * 0."""
-    if bool(a.isfinite().all()) and bool(b.isfinite().all()):
+    # FP8 values sum far below float32's overflow: a sum is finite exactly when every term is
+    if bool(torch.isfinite(a.sum() + b.sum())):
         return None
     inf = float("inf")
 
@@ -332,31 +344,27 @@ def _nonfinite(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return where, value
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x.isfinite(), x, 0.0)
-
-
 def _patched(out: torch.Tensor, special: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     return out if special is None else torch.where(special[0], special[1], out)
 
 
-def _partials(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, mode: str, chunk: int,
-              special: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _partials(a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tensor, torch.Tensor] | None
+              ) -> torch.Tensor:
     """The chain results (G, M, N) of a hopper mode (K > 0), non-finite elements read as zeros
     (`special` says where the outputs are not finite)."""
     if special is not None:
-        a, b = _finite(a), _finite(b)
-    return _chains(a, b, element_a, element_b, a.shape[1] if mode == "hopper-fast" else chunk)
+        a = a._replace(values=torch.where(a.values.isfinite(), a.values, 0.0))
+        b = b._replace(values=torch.where(b.values.isfinite(), b.values, 0.0))
+    return _chains(a, b, a.values.shape[1] if mode == "hopper-fast" else chunk)
 
 
-def _accumulate(a: torch.Tensor, b: torch.Tensor, element_a: str, element_b: str, mode: str, chunk: int
-                ) -> torch.Tensor:
+def _accumulate(a: _FP8, b: _FP8, mode: str, chunk: int) -> torch.Tensor:
     if mode == "fp32":
-        return a @ b
-    if a.numel() == 0 or b.numel() == 0:
-        return torch.zeros(a.shape[0], b.shape[1], device=a.device)
-    special = _nonfinite(a, b)
-    partials = _partials(a, b, element_a, element_b, mode, chunk, special)
+        return a.values @ b.values
+    if a.values.numel() == 0 or b.values.numel() == 0:
+        return torch.zeros(a.values.shape[0], b.values.shape[1], device=a.values.device)
+    special = _nonfinite(a.values, b.values)
+    partials = _partials(a, b, mode, chunk, special)
     total = partials[0]
     for partial in partials[1:]:  # promotion: float32 additions in K order
         total = total + partial
@@ -433,23 +441,23 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     scales that change along K need ``hopper-promoted`` with each interval inside one scale block,
     and are applied to each interval's result on promotion by a fused multiply-add."""
     _check_mode(mode, chunk)
-    a, b, element_a, element_b = _operands(a, b, elements, mode)
-    (m, k), n = a.shape, b.shape[1]
-    scale_a, scale_b = _scale(scale_a, (m, k), "scale_a", a.device), _scale(scale_b, (k, n), "scale_b", a.device)
+    a, b = _operands(a, b, elements, mode)
+    (m, k), n, device = a.values.shape, b.values.shape[1], a.values.device
+    scale_a, scale_b = _scale(scale_a, (m, k), "scale_a", device), _scale(scale_b, (k, n), "scale_b", device)
     if mode == "fp32":
-        return (a * scale_a) @ (b * scale_b)
+        return (a.values * scale_a) @ (b.values * scale_b)
     if _constant_along(scale_a, 1) and _constant_along(scale_b, 0):
-        return _accumulate(a, b, element_a, element_b, mode, chunk) * (scale_a[:, :1] * scale_b[:1])
+        return _accumulate(a, b, mode, chunk) * (scale_a[:, :1] * scale_b[:1])
     if mode == "hopper-fast":
         raise ValueError("hopper-fast accumulates all of K in one tensor-core chain, which cannot apply a scale "
                          "that changes along K: use scales per tensor, row or column, or hopper-promoted")
     if k == 0 or m == 0 or n == 0:
-        return torch.zeros(m, n, device=a.device)
+        return torch.zeros(m, n, device=device)
     per_chunk_a = _chunk_scales(scale_a, 1, chunk, "scale_a")
     per_chunk_b = _chunk_scales(scale_b, 0, chunk, "scale_b")
-    special = _nonfinite(a, b)
-    total = torch.zeros(m, n, device=a.device)
-    for index, partial in enumerate(_partials(a, b, element_a, element_b, mode, chunk, special)):
+    special = _nonfinite(a.values, b.values)
+    total = torch.zeros(m, n, device=device)
+    for index, partial in enumerate(_partials(a, b, mode, chunk, special)):
         column = min(index, per_chunk_a.shape[1] - 1)
         row = min(index, per_chunk_b.shape[0] - 1)
         total = _fma32(partial, per_chunk_a[:, column:column + 1] * per_chunk_b[row:row + 1], total)
@@ -472,7 +480,7 @@ def accumulation_error_sums(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     GEMMs (modules, steps) add; `relative_error` turns them into the metric.
     """
     c = scaled_gemm(a, b, scale_a, scale_b, mode, chunk, elements=elements)
-    a, b, _, _ = _operands(a, b, elements, mode)
+    a, b = (operand.values for operand in _operands(a, b, elements, mode))
     (m, k), n = a.shape, b.shape[1]
     scale_a = _scale(scale_a, (m, k), "scale_a", a.device).double()
     scale_b = _scale(scale_b, (k, n), "scale_b", a.device).double()
