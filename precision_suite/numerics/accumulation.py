@@ -189,11 +189,6 @@ def _check_mode(mode: str, chunk: int) -> None:
 
 # ----------------------------------------------------------------------------- the chain
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """2**exponent as float32 from the bit pattern (integer exponents within the normal range)."""
-    return ((exponent + 127) << 23).view(torch.float32)
-
-
 # The largest product exponent of a group, max over k of e(a_k) + e(b_k), comes from a matrix
 # product: with w(x) = 2^(8 e(x) - 4) (0 for a zero), sum_k w(a_k) w(b_k) lies in
 # [2^(8 E - 8), 32 * 2^(8 E - 8)], exactly where its terms are, so its exponent shifted right by 3
@@ -217,30 +212,33 @@ def _weights(codes: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Ten
     return _weight_tables[key][codes.int()]
 
 
-def _alignment(weight_sums: torch.Tensor, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(2^(13 - E), 2^(E - 13)) for one group of every chain (steps 1-2): E the larger of the
-    group's largest product exponent (from `weight_sums`, see `_weights`) and the chain's.
+def _alignment(weight_bits: torch.Tensor, chain_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bits of (2^(13 - E), 2^(E - 13)) for one group of every chain (steps 1-2): E the larger
+    of the group's largest product exponent (from its weight sums, see `_weights`) and the chain's.
 
-    weight_sums, chain: (C, M, N). Returns two (C, M, N) float32 tensors."""
-    if weight_sums.dtype == torch.float64:
-        field = ((weight_sums.view(torch.int64) >> 52) - 1023).int()
-    else:  # bfloat16, exactly as float32
-        field = (weight_sums.float().view(torch.int32) >> 23) - 127
-    largest = torch.where(weight_sums == 0, _ZERO, ((field + 8) >> _WEIGHT_BITS))
-    chain_exp = torch.where(chain == 0, _ZERO, ((chain.view(torch.int32) >> 23) & 0xFF) - 127)
+    weight_bits: (C, M, N) bit patterns of the weight sums (int16 of bfloat16, int64 of float64);
+    chain_bits: of the chains' float32 values. Integers in and out (a bit pattern is read as a
+    float by a view, outside): compiled, the kernel then has no bit casts to make."""
+    if weight_bits.dtype == torch.int64:
+        field = ((weight_bits >> 52) - 1023).int()
+    else:
+        field = ((weight_bits.int() >> 7) & 0xFF) - 127
+    largest = torch.where(weight_bits == 0, _ZERO, (field + 8) >> _WEIGHT_BITS)
+    chain_exp = torch.where((chain_bits & 0x7FFFFFFF) == 0, _ZERO, ((chain_bits >> 23) & 0xFF) - 127)
     e = torch.maximum(largest, chain_exp).clamp_min(_FLOOR)
-    return _pow2(FRACTION_BITS - e), _pow2(e - FRACTION_BITS)
+    return (FRACTION_BITS - e + 127) << 23, (e - FRACTION_BITS + 127) << 23
 
 
 def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, quantum: torch.Tensor,
                chain: torch.Tensor) -> torch.Tensor:
     """The chains after one group (steps 3-4): a (C, 32, M), b (C, 32, N) float32 values.
 
-    Exact in float32: a product of two FP8 values has at most 8 significant bits, times a power of
-    two it is exact (or below 1, where truncation gives 0 however it rounded); each truncated term
-    is an integer below 2^15 and their sum below 2^21; times the quantum it is exact again."""
-    terms = torch.trunc(a[:, :, :, None] * b[:, :, None, :] * inverse_quantum[:, None]).sum(1)
-    total = (terms + torch.trunc(chain * inverse_quantum)) * quantum
+    Exact: a product of two FP8 values has at most 8 significant bits, times a power of two it is
+    exact in float32 (or below 1, where truncation gives 0 however it rounded); the conversion to
+    an integer truncates each term (below 2^15; their sum, below 2^21, in integer additions, which
+    a CPU chains faster than float ones); times the quantum the sum is exact again."""
+    terms = (a[:, :, :, None] * b[:, :, None, :] * inverse_quantum[:, None]).int().sum(1, dtype=torch.int32)
+    total = (terms.float() + torch.trunc(chain * inverse_quantum)) * quantum
     # a zero result is +0, as the hardware's: the chain starts from +0, the group's largest
     # product never truncates to zero, and a sum that cancels is +0 under round to nearest
     return (total.view(torch.int32) & _KEEP_FRACTION).view(torch.float32)
@@ -313,7 +311,9 @@ def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
             chain = torch.zeros(min(tile_runs, runs - r0), min(tile_rows, m - m0), n, device=a.values.device)
             for g in range(groups):
                 weight_sums = torch.bmm(weights_a[rs, g, ms], weights_b[rs, g])
-                inverse_quantum, quantum = alignment(weight_sums, chain)
+                bits = alignment(weight_sums.view(torch.int16 if dtype == torch.bfloat16 else torch.int64),
+                                 chain.view(torch.int32))
+                inverse_quantum, quantum = (x.view(torch.float32) for x in bits)
                 chain = add_group(a_groups[rs, g, :, ms], b_groups[rs, g], inverse_quantum, quantum, chain)
             out[rs, ms] = chain
     return out
