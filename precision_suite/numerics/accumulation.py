@@ -79,7 +79,7 @@ _FLOOR = -64
 _KEEP_FRACTION = ~((1 << (23 - FRACTION_BITS)) - 1)  # float32 bits kept by the result's truncation
 _CANONICAL_NAN = 0x7FFFFFFF
 _STEP_BUDGET = 1 << 22  # products per eager step: a tile's temporaries stay near 16 MB
-_CHAIN_BUDGET = 1 << 23  # chain values per compiled step (32 MB)
+_CHAIN_BUDGET = 1 << 18  # chain values per compiled step: its buffers (1 MB each) stay in cache
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,30 @@ def _check_interval(interval: object) -> None:
 # ----------------------------------------------------------------------------- operands
 
 class _FP8(NamedTuple):
-    """A checked GEMM operand: its values as float32, its FP8 codes and its element's name."""
+    """A checked GEMM operand: its values as float32, its FP8 codes (as int32, to index tables of
+    the 256 codes) and its element's name."""
 
     values: torch.Tensor
-    codes: torch.Tensor | None  # uint8; None for an fp32 GEMM's operand
+    codes: torch.Tensor | None  # None for an fp32 GEMM's operand
     element: str
+
+
+_code_tables: dict[tuple[str, str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _look_up(codes: torch.Tensor, element: str, what: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Each code's entry in a table over the element's 256 codes, as `dtype`: "values" (NaN, Inf
+    where the element has them) or "weights" (see `_WEIGHT_BITS`). index_select: several times faster than
+    a float8 cast."""
+    key = (element, what, dtype, codes.device)
+    if key not in _code_tables:
+        grid = get_format(element).element
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
+        if what == "weights":
+            exponents = torch.frexp(values)[1].double().sub(1).clamp(min=grid.emin)
+            values = torch.where((values != 0) & values.isfinite(), torch.exp2(exponents * 2**_WEIGHT_BITS - 4), 0.0)
+        _code_tables[key] = values.to(dtype).to(codes.device)
+    return _code_tables[key].index_select(0, codes.flatten()).view(codes.shape)
 
 
 def _operand(x: torch.Tensor, element: str | None, name: str) -> _FP8:
@@ -141,20 +160,21 @@ def _operand(x: torch.Tensor, element: str | None, name: str) -> _FP8:
     if x.dtype in by_dtype:
         if element not in (None, by_dtype[x.dtype]):
             raise ValueError(f"{name} is {x.dtype} but its element is given as {element!r}")
-        return _FP8(x.float(), x.view(torch.uint8), by_dtype[x.dtype])
+        codes = x.view(torch.uint8).int()
+        return _FP8(_look_up(codes, by_dtype[x.dtype], "values"), codes, by_dtype[x.dtype])
     if element is None:
         raise ValueError(f"{name} is {x.dtype}: pass elements=(\"e4m3\" or \"e5m2\", ...) to say which FP8 "
                          "element its values are, or a float8 tensor")
     if element not in HOPPER_ELEMENTS:
         raise ValueError(f"{name}: element {element!r} has no tensor-core accumulation model; use e4m3 or e5m2")
     x = x.float()
-    fp8 = x.to(getattr(torch, get_format(element).element.torch_dtype))
-    on_grid = (fp8.float() == x) | x.isnan()
+    codes = x.to(getattr(torch, get_format(element).element.torch_dtype)).view(torch.uint8).int()
+    on_grid = (_look_up(codes, element, "values") == x) | x.isnan()
     if not bool(on_grid.all()):
         value = x[~on_grid].flatten()[0].item()
         raise ValueError(f"{name} holds {value!r}, not an {element} value: pass the FP8 elements (dequantized "
                          "values over their scales, `split_dequantized`), not the dequantized tensor")
-    return _FP8(x, fp8.view(torch.uint8), element)
+    return _FP8(x, codes, element)
 
 
 def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str) -> tuple[_FP8, _FP8]:
@@ -196,34 +216,21 @@ def _check_mode(mode: str, chunk: int) -> None:
 # precision) leaves that range. bfloat16 holds the weights of E4M3 pairs (8 E - 8 within
 # [-104, 120]) and its matrix products are the fastest; E5M2's wider exponents take float64.
 _WEIGHT_BITS = 3
-_weight_tables: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _weights(codes: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
-    """w(x) of each FP8 code (0 for zeros and the non-finite codes, which read as zeros), from a
-    table over the element's 256 codes. e(x) is step 1's clamped exponent."""
-    key = (element, dtype, codes.device)
-    if key not in _weight_tables:
-        grid = get_format(element).element
-        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
-        exponents = torch.frexp(values)[1].double().sub(1).clamp(min=grid.emin)
-        weights = torch.exp2(exponents * 2**_WEIGHT_BITS - 4)
-        _weight_tables[key] = torch.where((values != 0) & values.isfinite(), weights, 0.0).to(dtype).to(codes.device)
-    return _weight_tables[key][codes.int()]
-
-
-def _alignment(weight_bits: torch.Tensor, chain_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _alignment(weight_sums: torch.Tensor, chain_bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The bits of (2^(13 - E), 2^(E - 13)) for one group of every chain (steps 1-2): E the larger
-    of the group's largest product exponent (from its weight sums, see `_weights`) and the chain's.
+    of the group's largest product exponent (from its weight sums, see `_WEIGHT_BITS`) and the chain's.
 
-    weight_bits: (C, M, N) bit patterns of the weight sums (int16 of bfloat16, int64 of float64);
-    chain_bits: of the chains' float32 values. Integers in and out (a bit pattern is read as a
-    float by a view, outside): compiled, the kernel then has no bit casts to make."""
-    if weight_bits.dtype == torch.int64:
-        field = ((weight_bits >> 52) - 1023).int()
+    weight_sums: (C, M, N) bfloat16 or float64; chain_bits: the bit patterns of the
+    chains' float32 values. The results are bit patterns too, read as floats by a view outside:
+    compiled, the kernel makes no bit casts but the weight sums' (a bfloat16 one is exact in
+    float32)."""
+    if weight_sums.dtype == torch.float64:
+        field = ((weight_sums.view(torch.int64) >> 52) - 1023).int()
     else:
-        field = ((weight_bits.int() >> 7) & 0xFF) - 127
-    largest = torch.where(weight_bits == 0, _ZERO, (field + 8) >> _WEIGHT_BITS)
+        field = (weight_sums.float().view(torch.int32) >> 23) - 127
+    largest = torch.where(weight_sums == 0, _ZERO, (field + 8) >> _WEIGHT_BITS)
     chain_exp = torch.where((chain_bits & 0x7FFFFFFF) == 0, _ZERO, ((chain_bits >> 23) & 0xFF) - 127)
     e = torch.maximum(largest, chain_exp).clamp_min(_FLOOR)
     return (FRACTION_BITS - e + 127) << 23, (e - FRACTION_BITS + 127) << 23
@@ -231,13 +238,13 @@ def _alignment(weight_bits: torch.Tensor, chain_bits: torch.Tensor) -> tuple[tor
 
 def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, quantum: torch.Tensor,
                chain: torch.Tensor) -> torch.Tensor:
-    """The chains after one group (steps 3-4): a (C, 32, M), b (C, 32, N) float32 values.
+    """The chains after one group (steps 3-4): a (C, M, 32), b (C, 32, N) float32 values.
 
     Exact: a product of two FP8 values has at most 8 significant bits, times a power of two it is
     exact in float32 (or below 1, where truncation gives 0 however it rounded); the conversion to
     an integer truncates each term (below 2^15; their sum, below 2^21, in integer additions, which
     a CPU chains faster than float ones); times the quantum the sum is exact again."""
-    terms = (a[:, :, :, None] * b[:, :, None, :] * inverse_quantum[:, None]).int().sum(1, dtype=torch.int32)
+    terms = (a[:, :, :, None] * b[:, None, :, :] * inverse_quantum[:, :, None]).int().sum(2, dtype=torch.int32)
     total = (terms.float() + torch.trunc(chain * inverse_quantum)) * quantum
     # a zero result is +0, as the hardware's: the chain starts from +0, the group's largest
     # product never truncates to zero, and a sum that cancels is +0 under round to nearest
@@ -268,7 +275,7 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
     def call(*tensors: torch.Tensor) -> torch.Tensor:
         for tensor in tensors:
             for dim, size in enumerate(tensor.shape):
-                if not (tensor.dim() == 3 and dim == 1 and size == GROUP):
+                if size != GROUP:
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
             return compiled(*tensors)
@@ -286,16 +293,17 @@ def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
     length = -(-min(length, k) // GROUP) * GROUP  # no longer than K, in whole groups
     runs, groups = -(-k // length), length // GROUP
     pad = runs * length - k
-    # (run, group, element of the group, row): the group's elements lead, so its reduction sums planes
-    a_groups = torch.nn.functional.pad(a.values, (0, pad)).reshape(m, runs, groups, GROUP).permute(1, 2, 3, 0)
-    a_groups = a_groups.contiguous()
-    b_groups = torch.nn.functional.pad(b.values, (0, 0, 0, pad)).reshape(runs, groups, GROUP, n)
+
+    def padded(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        return torch.nn.functional.pad(x, dims) if pad else x
+
+    # (row, run, group, element of the group) and (run, group, element, column): views, no copies
+    a_groups = padded(a.values, (0, pad)).reshape(m, runs, groups, GROUP)
+    b_groups = padded(b.values, (0, 0, 0, pad)).reshape(runs, groups, GROUP, n)
     dtype = torch.bfloat16 if a.element == b.element == "e4m3" else torch.float64
-    # (run, group, row, element of the group): ready for a batched matrix product without a copy
-    weights_a = _weights(torch.nn.functional.pad(a.codes, (0, pad)), a.element, dtype)
-    weights_a = weights_a.reshape(m, runs, groups, GROUP).permute(1, 2, 0, 3).contiguous()
-    weights_b = _weights(torch.nn.functional.pad(b.codes, (0, 0, 0, pad)), b.element, dtype).reshape(
-        runs, groups, GROUP, n)
+    # w(x) = 2^(8 e(x) - 4), 0 for zeros and the non-finite codes (which read as zeros)
+    weights_a = _look_up(padded(a.codes, (0, pad)), a.element, "weights", dtype).reshape(m, runs, groups, GROUP)
+    weights_b = _look_up(padded(b.codes, (0, 0, 0, pad)), b.element, "weights", dtype).reshape(runs, groups, GROUP, n)
     steps = _steps(m * n * k)
     alignment, add_group = steps if steps is not None else (_alignment, _add_group)
     out = torch.empty(runs, m, n, device=a.values.device)
@@ -310,11 +318,11 @@ def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
             ms = slice(m0, m0 + tile_rows)
             chain = torch.zeros(min(tile_runs, runs - r0), min(tile_rows, m - m0), n, device=a.values.device)
             for g in range(groups):
-                weight_sums = torch.bmm(weights_a[rs, g, ms], weights_b[rs, g])
-                bits = alignment(weight_sums.view(torch.int16 if dtype == torch.bfloat16 else torch.int64),
-                                 chain.view(torch.int32))
+                weight_sums = torch.bmm(weights_a[ms, rs, g].transpose(0, 1), weights_b[rs, g])
+                bits = alignment(weight_sums, chain.view(torch.int32))
                 inverse_quantum, quantum = (x.view(torch.float32) for x in bits)
-                chain = add_group(a_groups[rs, g, :, ms], b_groups[rs, g], inverse_quantum, quantum, chain)
+                chain = add_group(a_groups[ms, rs, g].transpose(0, 1), b_groups[rs, g], inverse_quantum, quantum,
+                                  chain)
             out[rs, ms] = chain
     return out
 
