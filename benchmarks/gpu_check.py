@@ -377,7 +377,8 @@ def part_accumulation(ctx: Context) -> dict[str, Any]:
     if ctx.device == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability[0] != 9:
-            raise Skip(f"the model is of Hopper's FP8 tensor cores (sm_90); this GPU is sm_{capability[0]}{capability[1]}")
+            raise Skip("the model is of Hopper's FP8 tensor cores (sm_90); "
+                       f"this GPU is sm_{capability[0]}{capability[1]}")
         if not hasattr(torch, "_scaled_mm"):
             raise Skip(f"torch {torch.__version__} has no torch._scaled_mm")
         reference_name, reference = f"torch._scaled_mm on {torch.cuda.get_device_name()}", scaled_mm_accumulation

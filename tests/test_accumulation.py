@@ -179,7 +179,8 @@ def fma_exactly(x: float, y: float, z: float) -> float:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(-60, 60), st.integers(-60, 60), st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=3, max_size=3))
+@given(st.integers(-60, 60), st.integers(-60, 60),
+       st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=3, max_size=3))
 def test_the_promotions_multiply_add_rounds_once(e1, e2, free):
     """x * y + z rounded once to float32, as a GPU's FFMA: on products that sit a hair off a
     float32 tie of the sum (where rounding through float64 first would land on the tie and round

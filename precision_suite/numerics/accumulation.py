@@ -50,7 +50,7 @@ against mmaemu (tests/test_accumulation.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -285,10 +285,11 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
     return call
 
 
-def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
-    """The chain results (G, M, N) over consecutive runs of `length` elements of K (the last run
-    zero padded): one run for hopper-fast, one per chunk for hopper-promoted. Non-finite values
-    must have been replaced by zeros (their codes read as zeros)."""
+def _chains(a: _FP8, b: _FP8, length: int) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """The chain results over consecutive runs of `length` elements of K (the last run zero
+    padded): one run for hopper-fast, one per chunk for hopper-promoted. Yields (run, rows, the
+    chains of those rows (len(rows), N)), the runs of any row in K order. Non-finite values must
+    have been replaced by zeros (their codes read as zeros)."""
     (m, k), n = a.values.shape, b.values.shape[1]
     length = -(-min(length, k) // GROUP) * GROUP  # no longer than K, in whole groups
     runs, groups = -(-k // length), length // GROUP
@@ -306,7 +307,6 @@ def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
     weights_b = _look_up(padded(b.codes, (0, 0, 0, pad)), b.element, "weights", dtype).reshape(runs, groups, GROUP, n)
     steps = _steps(m * n * k)
     alignment, add_group = steps if steps is not None else (_alignment, _add_group)
-    out = torch.empty(runs, m, n, device=a.values.device)
     # Eagerly a step's temporaries hold GROUP products per output: tiles of runs and rows bound
     # them. Compiled kernels hold none, so their tiles only bound the chains held at once.
     budget = _STEP_BUDGET // GROUP if steps is None else _CHAIN_BUDGET
@@ -323,8 +323,8 @@ def _chains(a: _FP8, b: _FP8, length: int) -> torch.Tensor:
                 inverse_quantum, quantum = (x.view(torch.float32) for x in bits)
                 chain = add_group(a_groups[ms, rs, g].transpose(0, 1), b_groups[rs, g], inverse_quantum, quantum,
                                   chain)
-            out[rs, ms] = chain
-    return out
+            for index, run in enumerate(range(r0, min(r0 + tile_runs, runs))):
+                yield run, ms, chain[index]
 
 
 def _nonfinite(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -356,10 +356,10 @@ def _patched(out: torch.Tensor, special: tuple[torch.Tensor, torch.Tensor] | Non
     return out if special is None else torch.where(special[0], special[1], out)
 
 
-def _partials(a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tensor, torch.Tensor] | None
-              ) -> torch.Tensor:
-    """The chain results (G, M, N) of a hopper mode (K > 0), non-finite elements read as zeros
-    (`special` says where the outputs are not finite)."""
+def _runs(a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tensor, torch.Tensor] | None
+          ) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """`_chains` of a hopper mode (K > 0), non-finite elements read as zeros (`special` says
+    where the outputs are not finite)."""
     if special is not None:
         a = a._replace(values=torch.where(a.values.isfinite(), a.values, 0.0))
         b = b._replace(values=torch.where(b.values.isfinite(), b.values, 0.0))
@@ -369,13 +369,12 @@ def _partials(a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tens
 def _accumulate(a: _FP8, b: _FP8, mode: str, chunk: int) -> torch.Tensor:
     if mode == "fp32":
         return a.values @ b.values
+    total = torch.zeros(a.values.shape[0], b.values.shape[1], device=a.values.device)
     if a.values.numel() == 0 or b.values.numel() == 0:
-        return torch.zeros(a.values.shape[0], b.values.shape[1], device=a.values.device)
+        return total
     special = _nonfinite(a.values, b.values)
-    partials = _partials(a, b, mode, chunk, special)
-    total = partials[0]
-    for partial in partials[1:]:  # promotion: float32 additions in K order
-        total = total + partial
+    for _, rows, chain in _runs(a, b, mode, chunk, special):
+        total[rows] = total[rows] + chain  # promotion: float32 additions from +0, in K order
     return _patched(total, special)
 
 
@@ -465,10 +464,10 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     per_chunk_b = _chunk_scales(scale_b, 0, chunk, "scale_b")
     special = _nonfinite(a.values, b.values)
     total = torch.zeros(m, n, device=device)
-    for index, partial in enumerate(_partials(a, b, mode, chunk, special)):
-        column = min(index, per_chunk_a.shape[1] - 1)
-        row = min(index, per_chunk_b.shape[0] - 1)
-        total = _fma32(partial, per_chunk_a[:, column:column + 1] * per_chunk_b[row:row + 1], total)
+    for run, rows, chain in _runs(a, b, mode, chunk, special):
+        # a scale constant along K has one column (row) for every run
+        scale_of_a = per_chunk_a[rows, min(run, per_chunk_a.shape[1] - 1), None]
+        total[rows] = _fma32(chain, scale_of_a * per_chunk_b[min(run, per_chunk_b.shape[0] - 1)], total[rows])
     return _patched(total, special)
 
 
