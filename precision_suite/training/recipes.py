@@ -179,9 +179,9 @@ class Gemm:
         """ValueError naming the recipe and GEMM ("fprop", "dgrad", "wgrad") unless the
         accumulation can run on these operands: the Hopper model takes FP8 (e4m3, e5m2) operands
         with FP32 scales, not both E5M2, and scales that hold along K within each chain."""
-        where, mode = f"recipe {recipe!r} {gemm}", self.accumulation.text()
         if not self.accumulation.hopper:
             return
+        where, mode = f"recipe {recipe!r} {gemm}", self.accumulation.text()
         for side, operand in (("a", self.a), ("b", self.b)):
             fmt = get_format(operand.fmt) if operand.fmt != HIGH_PRECISION else None
             if fmt is None or fmt.element.name not in HOPPER_ELEMENTS or fmt.scale_rule != "amax":
@@ -192,7 +192,7 @@ class Gemm:
         if self.a.fmt == self.b.fmt == "e5m2":
             raise ValueError(f"{where} accumulates {mode} on E5M2 x E5M2, which cuBLAS refuses: make one operand e4m3")
         for side, operand in (("a", self.a), ("b", self.b)):
-            if operand.layout == "tensor":
+            if not isinstance(operand.layout, tuple):  # one scale per tensor: constant along K
                 continue
             extent = operand.layout[REDUCTION_AXIS[f"{gemm}.{side}"]]
             if self.accumulation.mode == "hopper-fast":
