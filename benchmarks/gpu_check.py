@@ -22,6 +22,10 @@ error and the rest still run), under 5 minutes in all on CUDA:
                  casts (also against ml_dtypes where installed), fp8-block, MXFP8 and NVFP4 layouts
   gemm           the emulated FP8 GEMM and torch._scaled_mm (per-tensor, rowwise, 1x128 x 128x128
                  block scales where torch offers them), each against a float64 reference
+  accumulation   the tensor-core accumulation model (numerics/accumulation.py) against the native
+                 torch._scaled_mm on a Hopper GPU, bit for bit: E4M3 and E5M2 x E4M3, tensor scales,
+                 fast and slow accumulation, shapes cuBLAS is not expected to split along K; on a CPU
+                 against mmaemu (when installed), which stands in for the H100
   speed          `quant_error` against `out.copy_(x)`; probes every 10th step and every step
                  against a step without probes; one default case's training time
   quick_matrix   `precision-suite run --quick --device DEVICE`, judged against the CPU baselines
@@ -44,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,7 +58,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_BUDGET_S = 290.0  # all parts, so that the whole check fits in 5 minutes
-PART_TIMEOUT_S = {"environment": 60, "quantization": 150, "gemm": 60, "speed": 90, "quick_matrix": 150}
+PART_TIMEOUT_S = {"environment": 60, "quantization": 150, "gemm": 60, "accumulation": 60, "speed": 90,
+                  "quick_matrix": 150}
 # the quickest case of the quick matrix (13 s of training on host A): what --tiny judges
 TINY_CASE = "vit-x-1-fp32"
 # quantization cases: (format, layout); element casts use a format of their own (see below)
@@ -63,6 +69,11 @@ LAYOUT_CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e4m3", (128, 128)), ("
 ELEMENT_CASES = {"e4m3": ("e4m3", "float8_e4m3fn"), "e5m2": ("e5m2", "float8_e5m2"),
                  "e2m1": ("nvfp4", "float4_e2m1fn")}
 SPEED_CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("mxfp8", (1, 32)), ("nvfp4", (1, 16))]
+# (M, K, N) of the accumulation part: on the GPU at least two 128 x 128 output tiles per SM of an
+# H100 (132 SMs), where cuBLAS has no reason to split K (a split would show as mismatches that
+# grow with K); on the CPU small enough for mmaemu's float64 model
+ACCUMULATION_SHAPES = {"cuda": [(2048, 1024, 2048), (2048, 4096, 2048)], "cuda-tiny": [(2048, 1024, 2048)],
+                       "cpu": [(64, 1024, 64), (64, 4096, 32)], "cpu-tiny": [(32, 512, 32)]}
 
 
 @dataclass(frozen=True)
@@ -360,6 +371,67 @@ def part_gemm(ctx: Context) -> dict[str, Any]:
     return {"variants": results, "capability": list(capability)}
 
 
+def part_accumulation(ctx: Context) -> dict[str, Any]:
+    import torch
+    from precision_suite import quantize
+    from precision_suite.numerics.accumulation import scaled_gemm, split_dequantized
+
+    if ctx.device == "cuda":
+        capability = torch.cuda.get_device_capability()
+        if capability[0] != 9:
+            raise Skip("the model is of Hopper's FP8 tensor cores (sm_90); "
+                       f"this GPU is sm_{capability[0]}{capability[1]}")
+        if not hasattr(torch, "_scaled_mm"):
+            raise Skip(f"torch {torch.__version__} has no torch._scaled_mm")
+        reference_name, reference = f"torch._scaled_mm on {torch.cuda.get_device_name()}", scaled_mm_accumulation
+    else:
+        try:
+            import mmaemu
+        except ImportError:
+            raise Skip("CUDA absent and mmaemu not installed: nothing to compare the emulation with") from None
+        reference_name = f"mmaemu {mmaemu.__version__} (H100 PCIe model, unsplit), CUDA absent"
+
+        def reference(a: Any, b: Any, scale_a: Any, scale_b: Any, fast: bool) -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # splitk=1 is explicit
+                return mmaemu.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+    FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # noqa: N806
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    shapes = ACCUMULATION_SHAPES[ctx.device + ("-tiny" if ctx.tiny else "")]
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))
+        w = torch.randn(n, k, generator=gen) * 0.02
+        for element_a in ("e4m3", "e5m2"):
+            qa, qw = quantize(x, element_a, "tensor"), quantize(w, "e4m3", "tensor")
+            a = split_dequantized(qa.dequantized, qa.scales, element_a).to(FP8_DTYPES[element_a])
+            # (K, N) column-major, as cuBLAS takes it
+            b = split_dequantized(qw.dequantized, qw.scales, "e4m3").to(torch.float8_e4m3fn).t()
+            a, b = a.to(ctx.device), b.to(ctx.device)
+            scale_a, scale_b = qa.scales.reshape(()).to(ctx.device), qw.scales.reshape(()).to(ctx.device)
+            for fast in (True, False):
+                native = reference(a, b, scale_a, scale_b, fast)
+                with compile_setting("0"):  # the eager steps: the same bits as the compiled ones, no compile time
+                    ours = scaled_gemm(a, b, scale_a, scale_b, "hopper-fast" if fast else "hopper-promoted")
+                float32 = scaled_gemm(a, b, scale_a, scale_b, "fp32")
+                cases.append({"shape": [m, k, n], "elements": f"{element_a} x e4m3", "use_fast_accum": fast,
+                              "emulation": bit_comparison(ours, native),
+                              "float32_gemm_for_contrast": bit_comparison(float32, native)})
+    mismatches = sum(c["emulation"]["mismatches"] for c in cases)
+    return {"device": ctx.device, "reference": reference_name,
+            "gpu": torch.cuda.get_device_name() if ctx.device == "cuda" else None,
+            "bit_exact": mismatches == 0, "total_mismatches": mismatches,
+            "outputs_compared": sum(c["emulation"]["numel"] for c in cases), "cases": cases}
+
+
+def scaled_mm_accumulation(a: Any, b: Any, scale_a: Any, scale_b: Any, fast: bool) -> Any:
+    """torch._scaled_mm with float32 output and the given accumulation (use_fast_accum)."""
+    import torch
+
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, use_fast_accum=fast)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def rel_frobenius(result: Any, exact: Any) -> float:
     return float((result.double() - exact).norm() / exact.norm())
 
@@ -462,7 +534,7 @@ def part_quick_matrix(ctx: Context) -> dict[str, Any]:
 
 PARTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "environment": part_environment, "quantization": part_quantization, "gemm": part_gemm,
-    "speed": part_speed, "quick_matrix": part_quick_matrix,
+    "accumulation": part_accumulation, "speed": part_speed, "quick_matrix": part_quick_matrix,
 }
 
 
@@ -537,6 +609,16 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"| {v['variant']} | {v['out_dtype']} | {v['emulated_rel_error']:.3e} | "
                   f"{v.get('hardware_rel_error', one_line(v.get('hardware', '')))} | "
                   f"{v.get('emulated_vs_hardware_rel_diff', '')} |" for v in gemm["variants"]]
+    accumulation = parts["accumulation"]["figures"]
+    if accumulation:
+        lines += ["", f"## Tensor-core accumulation model against {accumulation['reference']}", "",
+                  f"Bit for bit: {'yes' if accumulation['bit_exact'] else 'no'}, "
+                  f"{accumulation['total_mismatches']} mismatches in {accumulation['outputs_compared']} outputs.", "",
+                  "| M x K x N | elements | fast | mismatches | max abs diff | float32 GEMM mismatches |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {'x'.join(map(str, c['shape']))} | {c['elements']} | {c['use_fast_accum']} | "
+                  f"{c['emulation']['mismatches']} | {c['emulation']['max_abs_diff']:.3g} | "
+                  f"{c['float32_gemm_for_contrast']['mismatches']} |" for c in accumulation["cases"]]
     speed = parts["speed"]["figures"]
     if speed:
         metric_pass = speed["metric_pass"]

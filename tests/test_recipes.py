@@ -162,3 +162,134 @@ def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
     config.write_text('[recipe.mine]\n[[case]]\nmodel = "gpt"\n')
     with pytest.raises(cli.UsageError, match="unknown top-level key.*recipe"):
         config_specs(config)
+
+
+# --------------------------------------------------------------------------- accumulation per GEMM
+
+
+def test_built_in_recipes_accumulate_in_float32_and_the_hopper_presets_as_their_sources_say():
+    hopper = {"fp8-hybrid-hopper", "fp8-block-hopper"}
+    for name, recipe in NAMED_RECIPES.items():
+        modes = tuple(g.accumulation.text() for g in (recipe.fprop, recipe.dgrad, recipe.wgrad))
+        if name not in hopper:  # the default matrix's numbers and baselines stay as they were
+            assert modes == ("fp32",) * 3, name
+    assert tuple(g.accumulation.text() for g in (get_recipe("fp8-hybrid-hopper").fprop,
+                                                 get_recipe("fp8-hybrid-hopper").dgrad,
+                                                 get_recipe("fp8-hybrid-hopper").wgrad)) == (
+        "hopper-fast", "hopper-promoted:128", "hopper-promoted:128")  # TE current scaling, torchao tensorwise
+    block = get_recipe("fp8-block-hopper")
+    assert {g.accumulation.text() for g in (block.fprop, block.dgrad, block.wgrad)} == {"hopper-promoted:128"}
+    for name in hopper:  # the operands of the recipe they accumulate differently
+        base = get_recipe(name.removesuffix("-hopper"))
+        assert all(getattr(get_recipe(name), g).a == getattr(base, g).a and getattr(get_recipe(name), g).b
+                   == getattr(base, g).b for g in ("fprop", "dgrad", "wgrad"))
+
+
+def test_toml_declares_the_accumulation_and_it_reaches_workers(monkeypatch):
+    body = {**MY_RECIPE, "fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
+            "dgrad": {"a": "e5m2:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:64"},
+            "wgrad": {"a": "e5m2:128x1", "b": "fp32"}}
+    (recipe,) = recipes_from_toml({"mine": body}, "cases.toml").values()
+    assert recipe.describe()["fprop"]["accumulate"] == "hopper-fast"
+    assert recipe.describe()["dgrad"]["accumulate"] == "hopper-promoted:64"
+    assert recipe.describe()["wgrad"]["accumulate"] == "fp32"
+    monkeypatch.setenv(RECIPES_ENV, recipes_environment({"mine": recipe})[RECIPES_ENV])
+    assert get_recipe("mine") == recipe
+
+
+@pytest.mark.parametrize(("gemm", "message"), [
+    ({"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper"}, r"fprop accumulate: accumulation mode 'hopper'"),
+    ({"a": "mxfp8:1x32", "b": "mxfp8:1x32", "accumulate": "hopper-promoted"},
+     r"recipe 'mine' fprop accumulates hopper-promoted:128, but operand a is mxfp8:1x32: the Hopper tensor-core "
+     r"model takes FP8 operands"),
+    ({"a": "nvfp4:1x16", "b": "nvfp4:1x16", "accumulate": "hopper-fast"}, r"recipe 'mine' fprop .* operand a is nvfp4"),
+    ({"a": "e4m3:tensor", "b": "fp32", "accumulate": "hopper-fast"}, r"operand b is fp32"),
+    ({"a": "e5m2:tensor", "b": "e5m2:tensor", "accumulate": "hopper-fast"}, r"E5M2 x E5M2"),
+    ({"a": "e4m3:1x128", "b": "e4m3:tensor", "accumulate": "hopper-fast"}, r"scales that change along K"),
+    ({"a": "e4m3:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:256"},
+     r"promotes every 256 elements of K, but operand a e4m3:1x128 changes its scale every 128"),
+    ({"a": "e4m3:128x1", "b": "e4m3:tensor", "accumulate": "hopper-promoted"}, r"changes its scale every 1\b"),
+])
+def test_accumulations_the_operands_cannot_take_are_refused_naming_recipe_and_gemm(gemm, message):
+    with pytest.raises(ValueError, match=r"cases.toml: \[recipes.mine\].*" + message):
+        recipes_from_toml({"mine": {**MY_RECIPE, "fprop": gemm}}, "cases.toml")
+
+
+def fp8_tensor(shape, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen) * torch.exp(torch.randn(shape[0], 1, generator=gen))
+
+
+def test_a_hopper_recipe_trains_with_the_gemms_an_h100_computes(monkeypatch):
+    """fp8-hybrid-hopper's three GEMMs, each against mmaemu's torch._scaled_mm of the same FP8
+    elements and tensor scales (fprop fast, dgrad and wgrad slow accumulation), bit for bit."""
+    import mmaemu
+
+    recipe = get_recipe("fp8-hybrid-hopper")
+    torch.manual_seed(0)
+    layer = QuantLinear(64, 32)
+    set_recipe(layer, recipe)
+    x = fp8_tensor((48, 64), 1).requires_grad_()
+    dy = fp8_tensor((48, 32), 2) * 1e-3
+    y = layer(x)
+    y.backward(dy)
+
+    def fp8(t, fmt):
+        q = quantize(t.detach(), fmt, "tensor")
+        return (q.dequantized / q.scales).to(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2), q.scales
+
+    def h100(a, a_scale, b, b_scale, fast):  # b: (K, N), column-major as cuBLAS reads it
+        with __import__("warnings").catch_warnings():
+            __import__("warnings").simplefilter("ignore")
+            return mmaemu.scaled_mm(a.contiguous(), b.t().contiguous().t(), a_scale.reshape(()), b_scale.reshape(()),
+                                    out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+
+    (xq, sx), (wq, sw), (dyq, sdy) = fp8(x, "e4m3"), fp8(layer.weight, "e4m3"), fp8(dy, "e5m2")
+    assert torch.equal(y.detach(), h100(xq, sx, wq.t(), sw, fast=True) + layer.bias.detach())
+    assert torch.equal(x.grad, h100(dyq, sdy, wq, sw, fast=False))
+    assert torch.equal(layer.weight.grad, h100(dyq.t(), sdy, xq, sx, fast=False))
+
+
+def test_block_scaled_hopper_gemms_apply_each_chunks_scales_on_promotion():
+    """fp8-block-hopper: every GEMM is scaled_gemm of the consumed elements and their block scales
+    (the block path itself is tested against exact arithmetic in tests/test_accumulation.py), and
+    differs from the float32 GEMM of the same operands (fp8-block) by the accumulation alone."""
+    from precision_suite.numerics.accumulation import full_scales, scaled_gemm, split_dequantized
+
+    torch.manual_seed(0)
+    layer = QuantLinear(256, 128)
+    x = fp8_tensor((256, 256), 3)
+    set_recipe(layer, get_recipe("fp8-block-hopper"))
+    y = layer(x)
+    set_recipe(layer, get_recipe("fp8-block"))
+    y_fp32 = layer(x)
+
+    def factors(t, layout):
+        q = quantize(t.detach(), "e4m3", layout)
+        scales = full_scales(q.scales, layout, *t.shape)
+        return split_dequantized(q.dequantized, scales, "e4m3"), scales
+
+    (xe, xs), (we, ws) = factors(x, (1, 128)), factors(layer.weight, (128, 128))
+    expected = scaled_gemm(xe, we.t(), xs, ws.t(), "hopper-promoted", elements=("e4m3", "e4m3")) + layer.bias.detach()
+    assert torch.equal(y.detach(), expected)
+    assert not torch.equal(y, y_fp32)
+    # within the bound the model's 13 fraction bits allow a promoted chain of 128 (and float32's
+    # own rounding, K 2^-24), relative to sum_k |x_k w_k| (tests/test_accumulation.py derives it)
+    magnitude = (xe * xs).abs().double() @ (we * ws).abs().double().t()
+    bound = ((128 + 2 * 128 // 32) * 2.0**-13 + 256 * 2.0**-24) * magnitude
+    assert bool(((y - y_fp32).detach().double().abs() <= bound).all())
+
+
+def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
+    from precision_suite.numerics.accumulation import Accumulation, relative_error
+    from precision_suite.training.recipes import gemm_error_sums
+
+    recipe = get_recipe("fp8-hybrid-hopper")
+    x, w = fp8_tensor((64, 2048), 4).abs(), fp8_tensor((16, 2048), 5).abs()  # same sign: a long sum
+    a, b = (x, recipe.fprop.a.apply(x, None)), (w, recipe.fprop.b.apply(w, None))
+    errors = {mode: relative_error(gemm_error_sums(recipe, "fprop", a, b, Accumulation(mode)))
+              for mode in ("fp32", "hopper-fast", "hopper-promoted")}
+    assert 0 < errors["fp32"] < 2.0**-20 < errors["hopper-promoted"] < errors["hopper-fast"] < 2.0**-4
+    nvfp4 = get_recipe("nvfp4")  # no FP8 elements: only float32 accumulation is defined
+    assert relative_error(gemm_error_sums(nvfp4, "fprop", (x, nvfp4.fprop.a.apply(x, None)),
+                                          (w, nvfp4.fprop.b.apply(w, None)), Accumulation())) < 2.0**-20

@@ -218,8 +218,9 @@ _INDUCTOR_OPTIONS = {
 }
 
 
-def _inductor_backend(tag: str) -> Callable:
-    """Inductor with `tag` in the keys of its on-disk caches (FX graph and AOT autograd caches).
+def inductor_backend(tag: str, options: dict[str, object] | None = None) -> Callable:
+    """Inductor with `tag` in the keys of its on-disk caches (FX graph and AOT autograd caches),
+    with the quantizer's `_INDUCTOR_OPTIONS` unless `options` are given.
 
     The caches key on the traced graph, its input shapes and the compiler settings; the tag (the
     fused function, the full Format and the layout) adds those explicitly, so a kernel cached for
@@ -230,7 +231,7 @@ def _inductor_backend(tag: str) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         with torch.compiler.config.patch(cache_key_tag=tag):
-            return compile_fx(gm, example_inputs, config_patches=_INDUCTOR_OPTIONS)
+            return compile_fx(gm, example_inputs, config_patches=_INDUCTOR_OPTIONS if options is None else options)
     return backend
 
 
@@ -245,7 +246,7 @@ def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout:
     # also turn a format's constants into runtime inputs once a closure at this source line had
     # seen another format, and such kernels run at half the speed.
     tag = f"precision_suite {fn.__qualname__} {fmt!r} {layout} pow2_scale={pow2_scale}"
-    return torch.compile(fused_blocks, dynamic=False, backend=_inductor_backend(tag))
+    return torch.compile(fused_blocks, dynamic=False, backend=inductor_backend(tag))
 
 
 def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, layout: Layout,
@@ -262,13 +263,7 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
     compiles there too), with PRECISION_SUITE_COMPILE=0, or when compiling fails (no C++
     compiler): same numbers, up to the order of float64 summation.
     """
-    global _compile_failed
-    setting = os.environ.get("PRECISION_SUITE_COMPILE", "")  # "0": never, "1": even in a small run
-    if setting not in COMPILE_SETTINGS:
-        warnings.warn(f"PRECISION_SUITE_COMPILE={setting!r} is not one of 0 (never compile), 1 (compile small "
-                      "runs too) or unset (each run decides); each run decides", stacklevel=2)
-    if (blocks.numel() >= COMPILE_MIN_NUMEL and setting != "0" and (setting == "1" or _run_compiles)
-            and not _compile_failed):
+    if compiling(blocks.numel()):
         key = (fn, fmt, layout, pow2_scale)  # the Format itself: a user's format may reuse a name
         if key not in _compiled:
             _compiled[key] = _compile(fn, fmt, layout, pow2_scale)
@@ -279,10 +274,29 @@ def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, f
         except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo
             raise
         except Exception as err:  # e.g. no C++ compiler for inductor
-            _compile_failed = True
-            warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); "
-                          "computing eagerly", stacklevel=2)
+            give_up_compiling(err)
     return fn(blocks, fmt, pow2_scale)
+
+
+def compiling(numel: int, minimum: int = COMPILE_MIN_NUMEL, run_decides: bool = True) -> bool:
+    """Whether work over `numel` elements goes through torch.compile: from `minimum` elements,
+    unless PRECISION_SUITE_COMPILE=0, a run too small for compiling to pay (`compiling_if`, when
+    `run_decides`; =1 compiles there too) or an earlier failure to compile (`give_up_compiling`)
+    says otherwise."""
+    setting = os.environ.get("PRECISION_SUITE_COMPILE", "")  # "0": never, "1": even in a small run
+    if setting not in COMPILE_SETTINGS:
+        warnings.warn(f"PRECISION_SUITE_COMPILE={setting!r} is not one of 0 (never compile), 1 (compile small "
+                      "runs too) or unset (each run decides); each run decides", stacklevel=3)
+    run_allows = setting == "1" or _run_compiles or not run_decides
+    return numel >= minimum and setting != "0" and run_allows and not _compile_failed
+
+
+def give_up_compiling(err: Exception) -> None:
+    """After a failed compile (e.g. no C++ compiler for inductor) the process computes eagerly."""
+    global _compile_failed
+    _compile_failed = True
+    warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); "
+                  "computing eagerly", stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,22 @@ puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models
 to it beside the live tensor it came from, and ``Operand.mismatches`` counts the consumed elements
 that a fresh quantization of the live tensor cannot produce (a stale cache, a wrong axis or format).
 
+Each GEMM also says how its products are summed (``Gemm.accumulation``): in float32 (the
+default, every recipe's GEMM before), or as an H100's FP8 tensor cores do, fast or promoted
+(numerics/accumulation.py); ``QuantLinearFn`` then computes that GEMM with the emulation
+(``emulated_gemm``), from the FP8 elements and scales of what it consumed (``Operand.factors``).
+
 Like torchao's recipe configs, each named recipe carries its source, and a Recipe checks itself
 when built. Named recipes: ``fp8-block``, ``fp8-hybrid``, ``mxfp8``, ``nvfp4`` (a plain block
-scheme), ``nvfp4-training``; any measurement scheme name (``e4m3:tensor``, ``bf16``) is a recipe
-too; and user recipes come from TOML (``recipes_from_toml``).
+scheme), ``nvfp4-training``, and ``fp8-hybrid-hopper``, ``fp8-block-hopper`` (their FP8 operands
+accumulated as Transformer Engine, torchao and DeepSeek-V3 accumulate them on an H100); any
+measurement scheme name (``e4m3:tensor``, ``bf16``) is a recipe too; and user recipes come from
+TOML (``recipes_from_toml``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -40,6 +48,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
+from precision_suite.numerics.accumulation import (
+    HOPPER_ELEMENTS,
+    Accumulation,
+    accumulation_error_sums,
+    full_scales,
+    parse_accumulation,
+    scaled_gemm,
+    split_dequantized,
+)
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
 from precision_suite.numerics.quantization import quantize
@@ -110,6 +127,15 @@ class Operand:
             admitted |= consumed == from_blocks(bound.dequantized, *live.shape)
         return (~admitted).sum()
 
+    def factors(self, live: Tensor, consumed: Tensor) -> tuple[Tensor, Tensor]:
+        """(elements, scales) of `consumed`, this FP8 operand's quantization of `live`: the
+        elements as float32 and one scale per element ((1, 1) per tensor), elements * scales ==
+        consumed. The scales are a fresh quantization's of `live`: a block's scale depends only
+        on its amax, so they are the ones stochastic rounding used too."""
+        fresh = quantization.quantize(live.detach().float(), self.fmt, self.layout)
+        scales = full_scales(fresh.scales, self.layout, *consumed.shape)
+        return split_dequantized(consumed.detach().float(), scales, get_format(self.fmt).element.name), scales
+
     def text(self) -> str:
         if self.fmt == HIGH_PRECISION:
             return HIGH_PRECISION
@@ -137,13 +163,51 @@ OPERAND_ROLES = {"fprop.a": "activation", "fprop.b": "weight", "dgrad.a": "gradi
 GEMM_OPERANDS = tuple(OPERAND_ROLES)  # "fprop.a" ... "wgrad.b": the six operands of a linear layer
 
 
+# Which dimension of each operand, as stored, is its GEMM's reduction K (fprop x W^T, dgrad dy W,
+# wgrad dy^T x): the extent along K of its scaling blocks
+REDUCTION_AXIS = {"fprop.a": 1, "fprop.b": 1, "dgrad.a": 1, "dgrad.b": 0, "wgrad.a": 0, "wgrad.b": 0}
+
+
 @dataclass(frozen=True)
 class Gemm:
-    """The two operands of one GEMM, and an optional Hadamard transform along its reduction."""
+    """The two operands of one GEMM, an optional Hadamard transform along its reduction, and how
+    its products are accumulated (numerics/accumulation.py: fp32, hopper-fast, hopper-promoted)."""
 
     a: Operand
     b: Operand
     hadamard: int = 0
+    accumulation: Accumulation = Accumulation()
+
+    def check_accumulation(self, recipe: str, gemm: str) -> None:
+        """ValueError naming the recipe and GEMM ("fprop", "dgrad", "wgrad") unless the
+        accumulation can run on these operands: the Hopper model takes FP8 (e4m3, e5m2) operands
+        with FP32 scales, not both E5M2, and scales that hold along K within each chain."""
+        if not self.accumulation.hopper:
+            return
+        where, mode = f"recipe {recipe!r} {gemm}", self.accumulation.text()
+        for side, operand in (("a", self.a), ("b", self.b)):
+            fmt = get_format(operand.fmt) if operand.fmt != HIGH_PRECISION else None
+            if fmt is None or fmt.element.name not in HOPPER_ELEMENTS or fmt.scale_rule != "amax":
+                raise ValueError(
+                    f"{where} accumulates {mode}, but operand {side} is {operand.text()}: the Hopper tensor-core "
+                    f"model takes FP8 operands (e4m3 or e5m2, FP32 scales) only; MX and NVFP4 GEMMs run on "
+                    f"Blackwell, whose accumulation is not modelled. Use accumulate = \"fp32\" for this GEMM")
+        if self.a.fmt == self.b.fmt == "e5m2":
+            raise ValueError(f"{where} accumulates {mode} on E5M2 x E5M2, which cuBLAS refuses: make one operand e4m3")
+        for side, operand in (("a", self.a), ("b", self.b)):
+            if not isinstance(operand.layout, tuple):  # one scale per tensor: constant along K
+                continue
+            extent = operand.layout[REDUCTION_AXIS[f"{gemm}.{side}"]]
+            if self.accumulation.mode == "hopper-fast":
+                raise ValueError(
+                    f"{where} accumulates hopper-fast (one tensor-core chain over all of K), but operand {side} "
+                    f"{operand.text()} has scales that change along K, which no chain can apply: use per-tensor "
+                    "scales or hopper-promoted")
+            if extent % self.accumulation.interval:
+                raise ValueError(
+                    f"{where} promotes every {self.accumulation.interval} elements of K, but operand {side} "
+                    f"{operand.text()} changes its scale every {extent}: each promoted chunk must lie within one "
+                    f"scale block along K (an interval dividing {extent})")
 
 
 @dataclass(frozen=True)
@@ -165,6 +229,8 @@ class Recipe:
         size = self.wgrad.hadamard
         if size and (size < 2 or size & (size - 1)):
             raise ValueError(f"recipe {self.name!r}: wgrad hadamard must be a power of two >= 2 (or 0), got {size}")
+        for gemm_name in ("fprop", "dgrad", "wgrad"):
+            getattr(self, gemm_name).check_accumulation(self.name, gemm_name)
 
     def hadamard_matrix(self, device: torch.device) -> Tensor:
         """H diag(s) / sqrt(n): Sylvester's Hadamard matrix with seeded random signs, orthogonal."""
@@ -218,7 +284,8 @@ class Recipe:
                    and not (reused and where == "dgrad.b"))
 
     def describe(self) -> dict[str, Any]:
-        return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard}
+        """Each GEMM's operands, Hadamard size and accumulation, as `recipes_from_toml` reads them."""
+        return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard, "accumulate": g.accumulation.text()}
                 for gemm, g in (("fprop", self.fprop), ("dgrad", self.dgrad), ("wgrad", self.wgrad))}
 
     @classmethod
@@ -257,16 +324,41 @@ def _fp8_hybrid() -> Recipe:
                "current amax, not delayed scaling)")
 
 
+def _on_hopper(recipe: Recipe, name: str, fprop: str, backward: str, source: str) -> Recipe:
+    """`recipe`'s operands with fprop accumulated as `fprop` and dgrad, wgrad as `backward`."""
+    fast, slow = parse_accumulation(fprop), parse_accumulation(backward)
+    return dataclasses.replace(
+        recipe, name=name, source=source,
+        fprop=dataclasses.replace(recipe.fprop, accumulation=fast),
+        dgrad=dataclasses.replace(recipe.dgrad, accumulation=slow),
+        wgrad=dataclasses.replace(recipe.wgrad, accumulation=slow))
+
+
+_FP8_BLOCK = Recipe.from_scheme(get_scheme("fp8-block"),
+                                "DeepSeek-V3 (arXiv 2412.19437) section 3.3 / Ling 2.0: E4M3, 1x128 activation "
+                                "and gradient tiles, 128x128 weight blocks")
 NAMED_RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
-    Recipe.from_scheme(get_scheme("fp8-block"),
-                       "DeepSeek-V3 (arXiv 2412.19437) section 3.3 / Ling 2.0: E4M3, 1x128 activation "
-                       "and gradient tiles, 128x128 weight blocks"),
+    _FP8_BLOCK,
     _fp8_hybrid(),
     Recipe.from_scheme(get_scheme("mxfp8"), "OCP Microscaling Formats (MX) v1.0: E4M3 elements, "
                                             "E8M0 scale per 32 along the reduction"),
     Recipe.from_scheme(get_scheme("nvfp4"), "NVFP4 blocks of 16 along the reduction, round to nearest, "
                                             "no Hadamard transform (compare nvfp4-training)"),
     _nvfp4_training(),
+    # The FP8 recipes as an H100 accumulates them (numerics/accumulation.py)
+    _on_hopper(_fp8_hybrid(), "fp8-hybrid-hopper", "hopper-fast", "hopper-promoted:128",
+               "fp8-hybrid's operands accumulated as Transformer Engine's Float8CurrentScaling recipe does by "
+               "default (transformer_engine/common/recipe: fp8_gemm_fprop use_split_accumulator=False, dgrad and "
+               "wgrad True; the module defaults _2X_ACC_FPROP/DGRAD/WGRAD of pytorch/module/base.py agree) and "
+               "as torchao's default float8 training does (torchao/float8/config.py, Float8LinearConfig: "
+               "tensorwise scales, E4M3 input and weight, E5M2 grad_output, gemm_config_output "
+               "use_fast_accum=True, grad_input and grad_weight False): fprop one fast tensor-core chain, dgrad "
+               "and wgrad promoted every 128 (cuBLAS's split accumulator)"),
+    _on_hopper(_FP8_BLOCK, "fp8-block-hopper", "hopper-promoted:128", "hopper-promoted:128",
+               "fp8-block's operands accumulated as DeepSeek-V3 trains (arXiv 2412.19437 section 3.3.2: "
+               "promotion to FP32 every N_C = 128 elements, each partial sum scaled by its block scales; DeepGEMM) "
+               "and as Transformer Engine's Float8BlockScaling recipe forces on all three GEMMs "
+               "(use_split_accumulator=True)"),
 )}
 RECIPE_EXAMPLES = f"{', '.join(NAMED_RECIPES)}, bf16, or <format>:<layout> such as e4m3:tensor"
 
@@ -290,9 +382,11 @@ def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]
 
         [recipes.my-hybrid]
         source = "why and where from"
-        fprop = { a = "e4m3:tensor", b = "e4m3:tensor" }
-        dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }
+        fprop = { a = "e4m3:tensor", b = "e4m3:tensor", accumulate = "hopper-fast" }
+        dgrad = { a = "e5m2:tensor", b = "e4m3:tensor", accumulate = "hopper-promoted:128" }
         wgrad = { a = "e5m2:1x128:stochastic", b = "fp32", hadamard = 0 }
+
+    (``accumulate``: "fp32", the default, "hopper-fast", "hopper-promoted[:N]".)
 
     ValueError names the table and field at fault."""
     recipes = {}
@@ -325,13 +419,18 @@ def _user_recipes() -> dict[str, Recipe]:
 
 
 def _gemm(value: Any, context: str) -> Gemm:
-    if not isinstance(value, Mapping) or set(value) - {"a", "b", "hadamard"} or not {"a", "b"} <= set(value):
+    if (not isinstance(value, Mapping) or set(value) - {"a", "b", "hadamard", "accumulate"}
+            or not {"a", "b"} <= set(value)):
         raise ValueError(f"{context} must be a table {{ a = \"<fmt>:<layout>[:stochastic]\", b = ..., "
-                         f"hadamard = 0 }}, got {value!r}")
+                         f"hadamard = 0, accumulate = \"fp32\" }}, got {value!r}")
     hadamard = value.get("hadamard", 0)
     if not isinstance(hadamard, int) or isinstance(hadamard, bool) or hadamard < 0:
         raise ValueError(f"{context} hadamard must be a non-negative integer, got {hadamard!r}")
-    return Gemm(_operand(value["a"]), _operand(value["b"]), hadamard)
+    try:
+        accumulation = parse_accumulation(value.get("accumulate", "fp32"))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{context} accumulate: {error}") from None
+    return Gemm(_operand(value["a"]), _operand(value["b"]), hadamard, accumulation)
 
 
 def _operand(text: Any) -> Operand:
@@ -366,6 +465,53 @@ def _observe(layer: nn.Module | None, recipe: Recipe, *operands: tuple[str, Tens
             observer(layer, where, live, consumed, recipe.operand(where))
 
 
+# Each GEMM's operands as stored, (M, K) and (K, N) as they are or transposed
+_TRANSPOSED = {"fprop": (False, True), "dgrad": (False, False), "wgrad": (True, False)}
+Consumed = tuple[Tensor, Tensor]  # (live tensor, what the GEMM consumed), as stored
+
+
+def emulated_gemm(recipe: Recipe, gemm: str, a: Consumed, b: Consumed,
+                  accumulation: Accumulation | None = None) -> Tensor:
+    """GEMM `gemm` ("fprop": x W^T, "dgrad": dy W, "wgrad": dy^T x) of `recipe` from its consumed
+    FP8 operands, accumulated as `accumulation` says (default: the recipe's; numerics/accumulation.py)."""
+    accumulation = accumulation or getattr(recipe, gemm).accumulation
+    return scaled_gemm(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
+                       elements=_elements(recipe, gemm))
+
+
+def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulation: Accumulation) -> Tensor:
+    """`accumulation_error_sums` of GEMM `gemm` of `recipe` accumulated as `accumulation`: how far
+    it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands)."""
+    if not accumulation.hopper:
+        transpose_a, transpose_b = _TRANSPOSED[gemm]
+        return accumulation_error_sums(_orient(a[1].detach(), transpose_a), _orient(b[1].detach(), transpose_b),
+                                       1.0, 1.0, "fp32")
+    return accumulation_error_sums(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
+                                   elements=_elements(recipe, gemm))
+
+
+def _orient(x: Tensor, transpose: bool) -> Tensor:
+    return x.t() if transpose else x
+
+
+def _oriented_factors(recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(elements of a, elements of b, scales of a, scales of b), a as (M, K) and b as (K, N)."""
+    declared = getattr(recipe, gemm)
+    (elements_a, scales_a), (elements_b, scales_b) = declared.a.factors(*a), declared.b.factors(*b)
+    transpose_a, transpose_b = _TRANSPOSED[gemm]
+    return (_orient(elements_a, transpose_a), _orient(elements_b, transpose_b),
+            _orient(scales_a, transpose_a), _orient(scales_b, transpose_b))
+
+
+def _elements(recipe: Recipe, gemm: str) -> tuple[str, str]:
+    declared = getattr(recipe, gemm)
+    return get_format(declared.a.fmt).element.name, get_format(declared.b.fmt).element.name
+
+
+def _emulates(recipe: Recipe | None, gemm: str) -> bool:
+    return recipe is not None and getattr(recipe, gemm).accumulation.hopper
+
+
 class QuantLinearFn(torch.autograd.Function):
     """y = x W^T + b whose three GEMMs consume the recipe's quantized operands (module docstring).
     `layer`: the module it runs for, named to operand observers."""
@@ -381,7 +527,11 @@ class QuantLinearFn(torch.autograd.Function):
                 _observe(layer, recipe, ("fprop.a", x2d, x_used), ("fprop.b", weight, weight_used))
         else:
             x_used, weight_used = x2d, weight
-        y = F.linear(x_used, weight_used, bias)
+        if _emulates(recipe, "fprop"):
+            y = emulated_gemm(recipe, "fprop", (x2d, x_used), (weight, weight_used)).to(x_used.dtype)
+            y = y if bias is None else y + bias
+        else:
+            y = F.linear(x_used, weight_used, bias)
         # the originals are saved: the backward GEMMs quantize them their own way, except a weight
         # that dgrad takes as fprop did (a square or tensor-wide block): reused
         ctx.save_for_backward(x2d, weight, weight_used)
@@ -409,8 +559,15 @@ class QuantLinearFn(torch.autograd.Function):
         else:
             dy_dgrad = dy_wgrad = dy
             weight_dgrad, x_wgrad = weight, x2d
-        grad_x = (dy_dgrad @ weight_dgrad).reshape(ctx.x_shape)
-        grad_weight = dy_wgrad.t() @ x_wgrad
+        if _emulates(recipe, "dgrad"):
+            grad_x = emulated_gemm(recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).to(dy.dtype)
+        else:
+            grad_x = dy_dgrad @ weight_dgrad
+        grad_x = grad_x.reshape(ctx.x_shape)
+        if _emulates(recipe, "wgrad"):
+            grad_weight = emulated_gemm(recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad)).to(dy.dtype)
+        else:
+            grad_weight = dy_wgrad.t() @ x_wgrad
         grad_bias = dy.sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None
 
