@@ -373,6 +373,7 @@ def part_gemm(ctx: Context) -> dict[str, Any]:
 
 def part_accumulation(ctx: Context) -> dict[str, Any]:
     import torch
+
     from precision_suite import quantize
     from precision_suite.numerics.accumulation import scaled_gemm, split_dequantized
 

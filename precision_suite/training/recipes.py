@@ -475,8 +475,9 @@ def emulated_gemm(recipe: Recipe, gemm: str, a: Consumed, b: Consumed,
     """GEMM `gemm` ("fprop": x W^T, "dgrad": dy W, "wgrad": dy^T x) of `recipe` from its consumed
     FP8 operands, accumulated as `accumulation` says (default: the recipe's; numerics/accumulation.py)."""
     accumulation = accumulation or getattr(recipe, gemm).accumulation
-    return scaled_gemm(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
-                       elements=_elements(recipe, gemm))
+    with unobserved():  # the suite's emulation (its casts to FP8 codes), not the model's own quantization
+        return scaled_gemm(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
+                           elements=_elements(recipe, gemm))
 
 
 def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulation: Accumulation) -> Tensor:
