@@ -107,7 +107,7 @@ def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
         grouped.setdefault((finding.metric, fixed), []).append(finding)
     panels = [_DriftPanel(metric, fixed, tuple(group)) for (metric, fixed), group in grouped.items()]
     # worst first (sorted is stable: equally bad panels keep the findings' order)
-    return sorted(panels, key=lambda panel: min(severity(f.kind, f.score, f.known) for f in panel.findings))
+    return sorted(panels, key=lambda panel: min(severity(f.kind, f.score, f.known, f.tolerance) for f in panel.findings))
 
 
 def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,

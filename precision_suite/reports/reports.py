@@ -334,7 +334,7 @@ def _badge(status: str) -> str:
 
 def _worst(findings: Sequence[dict], limit: int = MAX_WORST_FINDINGS) -> list[dict]:
     """Findings that block first, then the largest distance from the band (`score`)."""
-    return sorted(findings, key=lambda f: severity(f.get("kind"), f.get("score"), f.get("known", "")))[:limit]
+    return sorted(findings, key=lambda f: severity(f.get("kind"), f.get("score"), f.get("known", ""), f.get("tolerance")))[:limit]
 
 
 def _findings_table(findings: Sequence[dict], chart_link: str = "") -> str:

@@ -101,16 +101,42 @@ def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) 
         status = "drift"
     else:
         status = "pass"
-    return CaseVerdict(case=case, status=status, findings=findings, charts=tuple(str(c) for c in charts),
+    # the finding that decided first: what the command line prints, the report and summary.md lead with
+    ordered = tuple(sorted(findings, key=lambda f: severity(f.kind, f.score, f.known, f.tolerance)))
+    return CaseVerdict(case=case, status=status, findings=ordered, charts=tuple(str(c) for c in charts),
                        known="; ".join(reasons) if status == "known" else "")
 
 
-def severity(kind: str, score: Any, known: str = "") -> tuple[bool, float]:
+def severity(kind: str, score: Any, known: str = "", tolerance: Any = math.nan) -> tuple[bool, float]:
     """Sort key of a finding, worst first: the kinds that fail a case (regression, threshold,
-    error; not one a known violation excuses) before the rest, then the largest distance from the
-    band (|score|); a finding without a finite score (a rule's, an error) ranks as the largest."""
-    size = abs(float(score)) if isinstance(score, (int, float)) and math.isfinite(score) else math.inf
+    error; not one a known violation excuses) before the rest, then how far beyond its tolerance
+    it is (|score| / tolerance, both in the metric's comparison space; |score| where no tolerance
+    is known). A finding without a finite score (a rule's, an invariant's, a changed recipe, an
+    error) has no tolerance to be within: it ranks first."""
+    size = _number(score)
+    size = abs(size) if math.isfinite(size) else math.inf
+    if math.isfinite(size) and math.isfinite(_number(tolerance)) and _number(tolerance) > 0:
+        size /= _number(tolerance)
     return (bool(known) or kind not in ("regression", "error", "threshold"), -size)
+
+
+def _number(value: Any) -> float:
+    """A finding's number (a float, or a JSON summary's "nan"/"inf" string) as a float."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def distinct(*values: float, digits: int = 4) -> list[str]:
+    """`values` with `digits` significant digits, or as many more as it takes (up to 12) for
+    values that differ to read differently: never "0.9996 vs baseline 0.9996"."""
+    different = len({repr(float(v)) for v in values})  # repr: the shortest text of each float
+    for places in range(digits, 13):
+        shown = [f"{float(v):.{places}g}" for v in values]
+        if len(set(shown)) == different:
+            return shown
+    return [repr(float(v)) for v in values]
 
 
 def format_where(where: Mapping[str, Any]) -> str:

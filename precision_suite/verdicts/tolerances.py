@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
-from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
+from precision_suite.verdicts.findings import TIME_DIMS, Finding, distinct, format_where, to_python
 
 TOLERANCE_SPACES = ("log", "absolute", "one_minus_cos_relative", "db", "relative")
 
@@ -250,7 +250,7 @@ def _compare_metric(case: str, metric: str, cur: xr.DataArray, base: xr.DataArra
             where = _where(cur, group_dims, time_dims, g, t)
             findings.append(Finding(
                 case=case, kind=kind, metric=metric, where=where, value=float(c[g, t]),
-                reference=float(b[g, t]), tolerance=float(tols[0, t]),
+                reference=float(b[g, t]), tolerance=float(tols[0, t]), score=float(score[g, t]),
                 message=_comparison_message(case, kind, metric, where, c[g, t], b[g, t],
                                             dataclasses.replace(tol, tol=float(tols[0, t])),
                                             int(beyond[g].sum()), beyond.shape[1])))
@@ -276,8 +276,8 @@ def _comparison_message(case: str, kind: str, metric: str, where: Mapping[str, A
     else:
         change = _describe_change(tol, value, reference)
     steps = f"; {n_beyond} of {n_steps} steps beyond tolerance" if n_steps > 1 else ""
-    return (f"{case}: {metric} {what} at {format_where(where)}: {value:.6g} vs baseline "
-            f"{reference:.6g} ({change}){steps}")
+    shown, baseline = distinct(value, reference)
+    return f"{case}: {metric} {what} at {format_where(where)}: {shown} vs baseline {baseline} ({change}){steps}"
 
 
 def _describe_change(tol: Tolerance, value: float, reference: float) -> str:

@@ -99,7 +99,8 @@ def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member
     ref_v, cur_v = s.ens_values[member, g, t], s.cur_values[g, t]
     if np.isfinite(ref_v) and not np.isfinite(cur_v):
         return series_finding(case, "regression", s, where, t, g, math.inf, tol0,
-                        f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed)
+                        f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed,
+                          deterministic=True)
     if space.is_count:
         ref, cur = ref_v * numel, cur_v * numel
         allowed = float(count_allowance(tol0, ref))
@@ -108,13 +109,15 @@ def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member
         of = "" if s.numel is None else f" of {numel:,.0f}"
         detail = (f"{point} changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in {against}, "
                   f"{cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
-        return series_finding(case, "regression", s, where, t, g, cur - ref, allowed, detail, member_seed=member_seed)
+        return series_finding(case, "regression", s, where, t, g, cur - ref, allowed, detail, member_seed=member_seed,
+                          deterministic=True)
     d = s.cur_y[g, t] - s.ens_y[member, g, t]
     if not np.isfinite(d) or abs(d) <= tol0:
         return None
     detail = (f"{point} changed beyond rounding ({describe_change(space, d)}, rounding tolerance "
               f"{describe_change(space, tol0, signed=False)}) against {against}: {hint}")
-    return series_finding(case, "regression", s, where, t, g, d, tol0, detail, member_seed=member_seed)
+    return series_finding(case, "regression", s, where, t, g, d, tol0, detail, member_seed=member_seed,
+                          deterministic=True)
 
 
 def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise: float, point: str,
@@ -139,7 +142,8 @@ def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise
               f"{ok.size} series against {ref[ok].sum():,.0f} in {against}: {z:+.1f} "
               f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
               f"{changed_hint(regen_hint)}")
-    return series_finding(case, "regression", s, s.groups[g], t, g, z, FIRST_STEP_SAFETY, detail, member_seed=member_seed)
+    return series_finding(case, "regression", s, s.groups[g], t, g, z, FIRST_STEP_SAFETY, detail, member_seed=member_seed,
+                          deterministic=True)
 
 
 def changed_hint(regen_hint: str) -> str:

@@ -21,7 +21,7 @@ import xarray as xr
 
 from precision_suite.numerics.metric_table import METRICS, SPACES, Space
 from precision_suite.verdicts.alarm_statement import DESIGN_FALSE_ALARM_RATE
-from precision_suite.verdicts.findings import TIME_DIMS, Finding, format_where, to_python
+from precision_suite.verdicts.findings import TIME_DIMS, Finding, distinct, format_where, to_python
 
 FALSE_ALARM_RATE = DESIGN_FALSE_ALARM_RATE  # per case, Bonferroni over its series
 MEDIAN_MARKOV = 2  # P(median of T points beyond c) <= 2 P(one point beyond c): see trained_threshold
@@ -163,17 +163,31 @@ def spread(s: Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def series_finding(case: str, kind: str, s: Series, where: Mapping[str, Any], t: int, g: int,
-             score: float, tolerance: float, detail: str, member_seed: Any = None) -> Finding:
+                   score: float, tolerance: float, detail: str, member_seed: Any = None,
+                   deterministic: bool = False) -> Finding:
+    """A finding of series `g` at point `t`. `deterministic`: a comparison of the same start (a
+    first point, a replay), which fails in either direction: worded "changed", with worse or
+    better where the metric has a bad direction (score: positive is the bad direction's)."""
     where = {**where, s.time_dim: s.times[t]}
     value = float(s.cur_values[g, t])
     ens = s.ens_values[:, g, t]
     finite = ens[np.isfinite(ens)]
     reference = float(np.median(finite)) if finite.size else math.nan
-    seeds_text = (f" ({finite.min():.4g}..{finite.max():.4g} over {finite.size} seeds)" if finite.size > 1
-                  else "" if finite.size else " (no finite seed)")  # one row: a stored replay
-    what = "regressed" if kind == "regression" else "drifted (better)"
-    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value:.4g} vs baseline "
-               f"{reference:.4g}{seeds_text}; {detail}")
+    if finite.size > 1:
+        value_text, reference_text, low, high = distinct(value, reference, finite.min(), finite.max())
+        seeds_text = f" ({low}..{high} over {finite.size} seeds)"
+    else:  # one row (a stored replay) or none
+        value_text, reference_text = distinct(value, reference)
+        seeds_text = "" if finite.size else " (no finite seed)"
+    if deterministic:
+        # a new NaN/Inf (an infinite score) is worse whatever the metric's direction
+        direction = math.inf if not math.isfinite(score) else \
+            score * METRICS[s.metric].bad_sign if METRICS[s.metric].bad is not None else 0.0
+        what = "changed (worse)" if direction > 0 else "changed (better)" if direction < 0 else "changed"
+    else:
+        what = "regressed" if kind == "regression" else "drifted (better)"
+    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value_text} vs baseline "
+               f"{reference_text}{seeds_text}; {detail}")
     return Finding(case=case, kind=kind, metric=s.metric, where=where, value=value,
                    reference=reference, tolerance=float(tolerance), message=message,
                    score=float(score))
