@@ -125,7 +125,7 @@ def fake_replays(monkeypatch, fake_run) -> None:
                                      state_start_step=((), np.int64(replays.replay_start(spec))))
 
     monkeypatch.setattr(replays, "run_keeping_state", keep_state)
-    monkeypatch.setattr(replays, "replay", lambda spec, state: synthetic_replay(spec))
+    monkeypatch.setattr(replays, "replay", lambda spec, state, start=None: synthetic_replay(spec))
     monkeypatch.setattr(execution, "run_in_fresh_process", execution.train_here)
 
 

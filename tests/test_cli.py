@@ -169,7 +169,7 @@ def test_planted_regression_exits_1_with_a_chart_of_the_case(workdir, fake_train
     assert cli.main(["baseline", "update", "--workers", "1", "--config", "cases.toml"]) == 0
     planted.add("vit-x-1-fp32")
     assert cli.main(["run", "--config", "cases.toml", "--report-dir", "out"]) == 1
-    assert "FAIL  vit-x-1-fp32: underflow regressed at layer 2" in capsys.readouterr().out
+    assert "FAIL  vit-x-1-fp32: underflow changed (worse) at layer 2" in capsys.readouterr().out
     summary = _summary(workdir / "out")
     assert summary["overall"] == "fail"
     failed = summary["cases"][0]

@@ -135,13 +135,13 @@ def worktrees(repo: Path) -> list[str]:
 def interpreters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
     """The options of every `train_specs` interpreter diff starts, in order."""
     started: list[tuple[str, ...]] = []
-    fresh = two_commits.fresh_interpreter
+    command = two_commits.Checkout.command
 
-    def counted(module: str, *args: str) -> list[str]:
+    def counted(self: two_commits.Checkout, *args: str) -> list[str]:
         started.append(args[2:])  # after SPECS.json and OUT
-        return fresh(module, *args)
+        return command(self, *args)
 
-    monkeypatch.setattr(two_commits, "fresh_interpreter", counted)
+    monkeypatch.setattr(two_commits.Checkout, "command", counted)
     return started
 
 
@@ -156,15 +156,18 @@ def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, 
     assert "layer 0" in out and "underflow" in out
     assert "FAIL" in out
     # measured cleanly: BASE keeps its state before step 2 and replays, HEAD replays from that state
-    assert [options[0] for options in interpreters] == ["--workers", "--workers", "--keep-state-at", "--replay-from"]
-    assert interpreters[2] == ("--keep-state-at", "2")
+    # the case has no baseline: BASE's first step under each rounding twin, then its replay's twins
+    assert [options[0] for options in interpreters] == ["--workers", "--workers", "--first-step-twins",
+                                                        "--keep-state-at", "--replay-from"]
+    assert interpreters[3] == ("--keep-state-at", "2", "--twins")
     measured = next(line for line in out.splitlines() if line.startswith("    measured from"))
     assert measured.startswith("    measured from BASE's state at step 2 (both codes replay steps 2-3): "
                                "underflow at layer 0, tensor activation, layout 1x128: 0 -> 0."), out
     assert "(+0." in measured  # the plant's underflow, not zero
     summary = json.loads((report / "summary.json").read_text())
     assert [case["status"] for case in summary["cases"]] == ["fail"]
-    assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift.png"))
+    # the change shows in the clean replay: its chart draws HEAD's replay against BASE's
+    assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift-replay.png"))
     assert len(worktrees(repo)) == 1  # the temporary worktrees are gone
 
 
@@ -187,11 +190,15 @@ def test_a_replay_that_cannot_run_is_one_line_and_the_diff_goes_on(toy_repo, tmp
     assert cli.main(["diff", "c4", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 1
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("numerics changed:") and " from step 2: " in line for line in out)
-    problem = [line for line in out if "clean measurement" in line]
+    problem = [line for line in out if line.startswith("    no clean measurement")]
     assert len(problem) == 1 and problem[0].startswith(
         "    no clean measurement from BASE's state at step 2: HEAD (working tree) cannot replay: "), out
     assert "parameters of another model" in problem[0] and "spare (3,) only in the model" in problem[0]
-    assert any(line.startswith("FAIL ") for line in out) and len(worktrees(repo)) == 1
+    # without a clean measurement the change cannot be judged beyond noise: it fails, saying why
+    error = [line for line in out if line.startswith("ERROR ")]
+    assert len(error) == 1 and "numerics changed from step 2 and cannot be judged beyond noise without a " \
+        "clean measurement (HEAD (working tree) cannot replay: " in error[0], out
+    assert len(worktrees(repo)) == 1
 
 
 def test_bisect_names_commit_5_and_restores_the_branch(toy_repo, capsys):
@@ -245,10 +252,10 @@ def test_outside_a_repository_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_bisect_with_a_metric_that_did_not_move_has_nothing_to_bisect(toy_repo, capsys):
     repo, shas = toy_repo
-    # the plant moves the loss by 1-2 %, within its tolerance: only underflow-like metrics fail
-    assert cli.main(["bisect", "c1", "c8", *CONFIG, "--metric", "loss"]) == 0
+    # the plant shrinks hidden features: the values stay far from the FP8 range, overflow stays 0
+    assert cli.main(["bisect", "c1", "c8", *CONFIG, "--metric", "overflow"]) == 0
     out = capsys.readouterr().out
-    assert f"BAD {shas[8][:7]} is within tolerance of GOOD {shas[1][:7]}: nothing to bisect" in out
+    assert f"BAD {shas[8][:7]} passes against GOOD {shas[1][:7]}: nothing to bisect" in out
     assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
 
 

@@ -36,8 +36,8 @@ class Group:
     actions: tuple[Command, ...]
 
 
-TOLERANCES_ONLY = (f"pyproject.toml whose [tool.precision_suite] tolerances apply (default: ./{DEFAULT_RULES_FILE}, "
-                   "skipped if absent); its threshold rules are not checked: a diff judges the change")
+CHANGE_RULES = (f"pyproject.toml whose [tool.precision_suite] rules and diff_strict apply (default: "
+                f"./{DEFAULT_RULES_FILE}, skipped if absent): a rule the change newly breaks fails it")
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
@@ -78,9 +78,17 @@ def add_fail(parser: argparse.ArgumentParser) -> None:
 
 
 def add_diff_judging(parser: argparse.ArgumentParser) -> None:
-    add_fail(parser)
+    """How `diff` and `bisect` judge a change: beyond noise (default) or any change (--strict)."""
+    gate = parser.add_mutually_exclusive_group()
+    gate.add_argument("--strict", dest="strict", action="store_true", default=None,
+                      help="fail on any change of the numbers at all (default: only on a change beyond "
+                           "the noise run judges with; [tool.precision_suite] diff_strict = true sets it)")
+    gate.add_argument("--beyond-noise", dest="strict", action="store_false",
+                      help="fail only on a change beyond noise, whatever diff_strict says")
     parser.add_argument("--metric", metavar="NAME", default=None,
                         help="only findings of this metric decide (e.g. underflow)")
+    add_baseline_dir(parser, "where the cases' baselines live: a case with one is judged against its noise, "
+                             "one without against BASE's rounding twins")
 
 
 def add_baseline_dir(parser: argparse.ArgumentParser, help_text: str = "where baselines live") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from precision_suite.commands.arguments import (
-    TOLERANCES_ONLY,
+    CHANGE_RULES,
     Command,
     add_diff_judging,
     add_selection,
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bad", metavar="BAD", help="a later commit whose `diff GOOD` fails")
     add_selection(parser)
     add_diff_judging(parser)
-    parser.add_argument("--rules", default=DEFAULT_RULES_FILE, metavar="FILE", help=TOLERANCES_ONLY)
+    parser.add_argument("--rules", default=DEFAULT_RULES_FILE, metavar="FILE", help=CHANGE_RULES)
     parser.add_argument("--workers", type=workers, default=None, metavar="N",
                         help="local worker processes (default: the number of cores)")
 
@@ -28,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from precision_suite.jobs.first_bad_commit import bisect_commits
     from precision_suite.jobs.selection import Selection
 
-    return bisect_commits(args.good, args.bad, Selection.from_args(args), fail=args.fail, metric=args.metric,
-                          rules_file=args.rules, workers=args.workers)
+    return bisect_commits(args.good, args.bad, Selection.from_args(args), strict=args.strict, metric=args.metric,
+                          rules_file=args.rules, baseline_dir=args.baseline_dir, workers=args.workers)
 
 
 COMMAND = Command(

@@ -108,11 +108,13 @@ class PrecisionChartWarning(UserWarning):
 def judge_and_chart(current: xr.Dataset, reference: Reference, *, chart_path: str | Path | None = None,
                     obtained_path: str | Path | None = None, replay: xr.Dataset | None = None,
                     case_rules: Sequence[Any] = (), known: Sequence[KnownViolation] = (),
-                    extra_findings: Sequence[Finding] = ()) -> CaseVerdict:
+                    extra_findings: Sequence[Finding] = (), drawn_against: xr.Dataset | None = None,
+                    names: tuple[str, str] = ("current", "baseline")) -> CaseVerdict:
     """The verdict of `current` (and of its `replay`) against `reference` (`verdicts.judge.judge_case`),
     and a drift chart at `chart_path` of any case with a finding other than an error (None: no
-    chart); findings of its replay get a chart of the replay against the stored one beside it
-    (`-replay` added)."""
+    chart), drawn against the reference's baseline (or `drawn_against`: BASE's run, in `diff`) with
+    the two runs called `names`; findings of its replay get a chart of the replay against the
+    stored one beside it (`-replay` added)."""
     outcome = judge.judge_case(current, reference.baseline, rules=reference.rules, case_rules=case_rules,
                                tolerances=list(reference.tolerances), known=known, obtained_path=obtained_path,
                                regen_hint=reference.regen_hint, extra_findings=extra_findings, replay=replay,
@@ -123,22 +125,23 @@ def judge_and_chart(current: xr.Dataset, reference: Reference, *, chart_path: st
     drawn = [f for f in outcome.findings if f.kind != "error"]
     of_run = [f for f in drawn if not is_replay_finding(f)]
     of_replay = [f for f in drawn if is_replay_finding(f)]
-    if of_run and _draw(current, reference.baseline, of_run, chart_path):
+    against = reference.baseline if drawn_against is None else drawn_against
+    if of_run and _draw(current, against, of_run, chart_path, names=names):
         charts.append(str(chart_path))
     replay_chart = chart_path.with_name(f"{chart_path.stem}-replay{chart_path.suffix}")
     if of_replay:
         label = f"{current.attrs.get('case', '')} replay from step {replay.attrs.get('replayed_from')}"
         # no band: the replay's tolerance is a rounding allowance, drawn in the findings' text
         if _draw(replay.assign_attrs(case=label), reference.stored_replay, of_replay, replay_chart,
-                 band=lambda metric, reference: None):
+                 band=lambda metric, reference: None, names=(f"{names[0]} replay", f"{names[1]} replay")):
             charts.append(str(replay_chart))
     return dataclasses.replace(outcome, charts=tuple(charts)) if charts else outcome
 
 
 def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Finding], path: Path,
-          band: Any = None) -> bool:
+          band: Any = None, names: tuple[str, str] = ("current", "baseline")) -> bool:
     try:
-        plot_drift(current, reference, findings, path=path, band=band)
+        plot_drift(current, reference, findings, path=path, band=band, names=names)
     except Exception as err:  # a broken chart must not hide the numerics verdict
         warnings.warn(PrecisionChartWarning(f"no chart for {current.attrs.get('case')}: "
                                             f"{type(err).__name__}: {err}"), stacklevel=3)
@@ -147,15 +150,16 @@ def _draw(current: xr.Dataset, reference: xr.Dataset | None, findings: list[Find
 
 
 def judge_case(current: xr.Dataset, reference: Reference, report_dir: Path, charts: str,
-               replay: xr.Dataset | None = None) -> CaseVerdict:
+               replay: xr.Dataset | None = None, **drawing: Any) -> CaseVerdict:
     """The verdict of one case of a command (and of its replay against the stored one, when the
     case has one); chart and obtained files are named by the dataset's case label (calibrate
-    labels its perturbations); `charts="none"` draws no drift chart."""
+    labels its perturbations); `charts="none"` draws no drift chart. `drawing`: judge_and_chart's
+    extra_findings, drawn_against and names (`diff`)."""
     name = safe_filename(str(current.attrs.get("case", reference.case)))
     try:
         return judge_and_chart(current, reference, known=matrix.KNOWN_VIOLATIONS.get(reference.case, ()),
                                chart_path=None if charts == "none" else report_dir / "charts" / f"{name}-drift.png",
-                               obtained_path=report_dir / "obtained" / f"{name}.nc", replay=replay)
+                               obtained_path=report_dir / "obtained" / f"{name}.nc", replay=replay, **drawing)
     except ValueError as exc:  # a tolerance override that does not make sense
         raise UsageError(f"tolerances: {exc}") from None
 
@@ -176,9 +180,12 @@ def comparison_sensitivity(references: Mapping[str, Reference], datasets: Mappin
 
 
 def finish(verdicts: Sequence[CaseVerdict], datasets: Mapping[str, xr.Dataset], report_dir: Path,
-           charts: str, sensitivity: Mapping[str, Any] | None = None) -> int:
-    """Write the report, print a line per verdict; the exit status (1 when any verdict blocks)."""
-    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts, sensitivity=sensitivity)
+           charts: str, sensitivity: Mapping[str, Any] | None = None, title: str = "",
+           context: Sequence[str] = ()) -> int:
+    """Write the report (`title` and `context` lines say what it compares: `diff`), print a line
+    per verdict, its decisive finding first; the exit status (1 when any verdict blocks)."""
+    reports.write_report(verdicts, report_dir, datasets=datasets, charts=charts, sensitivity=sensitivity,
+                         title=title, context=context)
     for verdict in verdicts:
         # a finding's message names its case for the plugin's reports; this line already does
         first = f": {verdict.findings[0].message.removeprefix(verdict.case + ': ')}" if verdict.findings else ""

@@ -67,6 +67,7 @@ class Task:
     label: str = ""
     replay_from: xr.Dataset | None = field(default=None, repr=False, compare=False)
     keep_state: bool = False
+    replay_at: int | None = None  # the step a kept state was kept before (None: a stored baseline's)
 
 
 class ExecutorError(RuntimeError):
@@ -99,10 +100,23 @@ def train_here(task: Task) -> xr.Dataset:
     from precision_suite.training import replays, runs  # lazy: torch loads with a run, not with --help
 
     if task.replay_from is not None:
-        return replays.replay(task.spec, task.replay_from)
+        return replays.replay(task.spec, task.replay_from, task.replay_at)
     if task.keep_state:
         return replays.run_keeping_state(task.spec)
     return runs.run(task.spec)
+
+
+# `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH: in a
+# commit's checkout under `diff`, which may hold a precision_suite of its own (or its own `git`,
+# `train`... modules).
+_BOOTSTRAP = ("import runpy, sys; sys.path.pop(0); sys.argv.pop(0); "
+              "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def fresh_interpreter(module: str, *args: str) -> list[str]:
+    """The command line of `python -m module args` in a new interpreter of this environment,
+    without the working directory on sys.path (PYTHONPATH decides)."""
+    return [sys.executable, "-c", _BOOTSTRAP, module, *args]
 
 
 def run_in_fresh_process(task: Task) -> xr.Dataset:
@@ -110,13 +124,17 @@ def run_in_fresh_process(task: Task) -> xr.Dataset:
     with the task's environment; its dataset (and a replay's state) go through netCDF files."""
     with tempfile.TemporaryDirectory(prefix="precision-suite-run-") as folder:
         out = Path(folder) / "run.nc"
-        command = [sys.executable, "-m", "precision_suite.jobs.fresh_run", str(out)]
+        command = fresh_interpreter("precision_suite.jobs.fresh_run", str(out))
         if task.replay_from is not None:
             command += ["--replay", str(save_dataset(task.replay_from, Path(folder) / "state.nc", compress=False))]
         if task.keep_state:
             command.append("--keep-state")
+        if task.replay_at is not None:
+            command += ["--replay-at", str(task.replay_at)]
+        # the working directory stays importable (the user's model packages), after PYTHONPATH
+        path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH", ""), os.getcwd()]))
         done = subprocess.run(command, input=task.spec.to_json(), text=True, capture_output=True,
-                              env={**os.environ, **task.env})
+                              env={**os.environ, "PYTHONPATH": path, **task.env})
         if done.returncode == EXIT_USAGE:  # a bad spec: the same error as in this process
             raise ValueError(done.stderr.strip())
         if done.returncode != 0:

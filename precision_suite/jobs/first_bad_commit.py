@@ -18,32 +18,41 @@ from pathlib import Path
 
 from precision_suite.files import load_dataset
 from precision_suite.jobs import git, results
+from precision_suite.jobs.execution import fresh_interpreter
+from precision_suite.jobs.reference import load_project
 from precision_suite.jobs.selection import Selection, selected_specs
-from precision_suite.jobs.train_specs import cannot_run, train_specs
+from precision_suite.jobs.train_specs import cannot_run
 from precision_suite.jobs.two_commits import (
     CaseDiff,
+    Checkout,
     Side,
-    compare_sides,
-    diff_tolerances,
-    fresh_interpreter,
+    SideRuns,
+    judge_commits,
+    load_diff_references,
     side_environment,
-    tolerances_from_json,
-    tolerances_to_json,
+    side_tree,
     tool_snapshot,
-    train_at,
+    train_side,
 )
-from precision_suite.jobs.usage import DEFAULT_RULES_FILE, EXIT_OK, EXIT_REGRESSION, UsageError
+from precision_suite.jobs.usage import (
+    DEFAULT_BASELINE_DIR,
+    DEFAULT_RULES_FILE,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    UsageError,
+)
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.judge import blocks
 
 SKIP = 125  # git bisect run: this commit cannot be tested
 
 
-def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, fail: Sequence[str] = (),
+def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, strict: bool | None = None,
                    metric: str | None = None, rules_file: str = DEFAULT_RULES_FILE,
-                   workers: int | None = None) -> int:
+                   baseline_dir: str = DEFAULT_BASELINE_DIR, workers: int | None = None) -> int:
     """Find and print the first commit after GOOD whose `diff GOOD` fails (of `metric` only, when
-    given): 1 when found (a regression), 0 when BAD itself passes against GOOD."""
+    given; judged as `diff` judges: beyond noise, or any change with `strict`): 1 when found (a
+    regression), 0 when BAD itself passes against GOOD."""
     root = git.repo_root()
     good = Side("GOOD", git.resolve_commit(root, good_ref, "GOOD"))
     bad = Side("BAD", git.resolve_commit(root, bad_ref, "BAD"))
@@ -55,22 +64,26 @@ def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, fail: S
     if git.is_bisecting(root):
         raise UsageError("a git bisect is already in progress here; end it with `git bisect reset`")
     specs = selected_specs(selection, validate=False)  # read once: every step trains the same specs
-    tolerances = diff_tolerances(rules_file, fail, metric)
+    project = load_project(rules_file)
+    strict = project.diff_strict if strict is None else strict
+    config = Path(selection.config).resolve() if selection.config else None
     with tempfile.TemporaryDirectory(prefix="precision-suite-bisect-") as name, tool_snapshot() as tool:
         folder = Path(name)
-        good_runs = train_at(good, root, specs, tool, folder / "good", workers)
-        bad_runs = train_at(bad, root, specs, tool, folder / "bad", workers)
-        compared = compare_sides(good_runs, bad_runs, specs, tolerances, folder / "report", "none", metric)
+        state = {"folder": str(folder), "specs": [spec.to_json() for spec in specs], "metric": metric,
+                 "workers": workers, "strict": strict, "rules": rules_file, "baseline_dir": baseline_dir,
+                 "good": good.sha, "tool": str(tool), "config": str(config) if config else None}
+        with side_tree(good, root) as good_tree, side_tree(bad, root) as bad_tree:
+            good_code = Checkout(good, root, good_tree, tool, config)
+            good_runs = train_side(good_code, specs, folder / "good", workers, baseline_dir)
+            compared = _judge(state, good_code, Checkout(bad, root, bad_tree, tool, config), good_runs,
+                              folder / "bad")
         if not any(blocks(case.verdict) for case in compared):
-            print(f"{bad.name} is within tolerance of {good.name}: nothing to bisect")
+            print(f"{bad.name} passes against {good.name}: nothing to bisect")
             print("\n".join(line for case in compared for line in case.lines(metric)))
             return EXIT_OK
         _save_step(folder, bad.sha, compared, metric)
-        state = folder / "state.json"
-        state.write_text(json.dumps({"folder": str(folder), "specs": [spec.to_json() for spec in specs],
-                                     "tolerances": tolerances_to_json(tolerances), "metric": metric,
-                                     "workers": workers}))
-        first_bad, output = _run_bisect(root, good, bad, tool, state)
+        (folder / "state.json").write_text(json.dumps(state))
+        first_bad, output = _run_bisect(root, good, bad, tool, folder / "state.json")
         if first_bad is None:
             undecided = [line for line in output.splitlines() if line.strip()][-12:]
             print("could not single out the first bad commit (commits that cannot run were skipped):")
@@ -79,6 +92,16 @@ def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, fail: S
         print(f"first bad commit: {first_bad} {git.subject(root, first_bad)}")
         print((folder / "steps" / f"{first_bad}.txt").read_text().rstrip())
     return EXIT_REGRESSION
+
+
+def _judge(state: dict, good_code: Checkout, code: Checkout, good_runs: SideRuns, out: Path) -> list[CaseDiff]:
+    """`code`'s runs trained into `out` and judged against GOOD's as `diff` judges them."""
+    specs = [RunSpec.from_json(text) for text in state["specs"]]
+    runs = train_side(code, specs, out, state["workers"], state["baseline_dir"])
+    references = load_diff_references(specs, load_project(state["rules"]), state["baseline_dir"])
+    compared, _ = judge_commits(good_code, code, specs, good_runs, runs, references, out / "judging",
+                                out / "report", "none", strict=state["strict"], metric=state["metric"])
+    return compared
 
 
 def _run_bisect(root: Path, good: Side, bad: Side, tool: Path, state: Path) -> tuple[str | None, str]:
@@ -126,12 +149,17 @@ def step(state_file: str) -> int:
     sha = git.resolve_commit(root, "HEAD", "HEAD")
     label = f"  {sha[:7]} {git.subject(root, sha)}"
     specs = [RunSpec.from_json(text) for text in state["specs"]]
+    tool, config = Path(state["tool"]), Path(state["config"]) if state["config"] else None
+    good = Side("GOOD", state["good"])
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # one line per commit, not its training progress
-            runs = train_specs(specs, state["workers"])
-        good = {case_id(spec): load_dataset(results.result_path(str(folder / "good"), case_id(spec))) for spec in specs}
-        compared = compare_sides(good, runs, specs, tolerances_from_json(state["tolerances"]),
-                                 folder / "steps" / sha, "none", metric)
+        with contextlib.redirect_stderr(io.StringIO()), side_tree(good, root) as good_tree:
+            # one line per commit, not its training progress
+            good_runs = SideRuns({case_id(spec): load_dataset(results.result_path(str(folder / "good"), case_id(spec)))
+                                  for spec in specs},
+                                 {case_id(spec): load_dataset(path) for spec in specs if (path := results.replay_result_path(
+                                     str(folder / "good"), case_id(spec))).is_file()})
+            compared = _judge(state, Checkout(good, root, good_tree, tool, config),
+                              Checkout(Side("BAD", sha), root, root, tool, config), good_runs, folder / "steps" / sha)
     except Exception as exc:  # this commit cannot be judged (its code does not run): neither good nor bad
         print(f"{label}: skip, cannot run: {cannot_run(exc)}", file=sys.stderr, flush=True)
         return SKIP

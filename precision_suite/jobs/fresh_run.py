@@ -1,4 +1,4 @@
-"""`python -m precision_suite.jobs.fresh_run OUT.nc [--replay STATE.nc] [--keep-state]`: train the
+"""`python -m precision_suite.jobs.fresh_run OUT.nc [--replay STATE.nc [--replay-at T]] [--keep-state]`: train the
 RunSpec given as JSON on standard input (or replay its last steps from a stored state) and save
 its dataset to OUT.nc. A run whose environment must be set before torch loads
 (`execution.PROCESS_START_ENV`, such as the rounding twins' ATEN_CPU_CAPABILITY) runs here."""
@@ -20,11 +20,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--replay", metavar="STATE.nc")
     parser.add_argument("--keep-state", action="store_true")
+    parser.add_argument("--replay-at", type=int, default=None, metavar="T",
+                        help="the step the state was kept before (default: a stored baseline's)")
     args = parser.parse_args(argv)
     try:
         spec = RunSpec.from_json(sys.stdin.read())
         state = load_dataset(args.replay) if args.replay else None
-        ds = train_here(Task(spec, replay_from=state, keep_state=args.keep_state))
+        ds = train_here(Task(spec, replay_from=state, keep_state=args.keep_state, replay_at=args.replay_at))
     except (ValueError, TypeError) as exc:  # a bad spec: its reason alone, as an in-process run gives it
         print(exc, file=sys.stderr)
         return EXIT_USAGE

@@ -133,11 +133,7 @@ def config_specs(path: Path) -> list[RunSpec]:
     if unknown_tables:
         raise UsageError(f"{path}: unknown top-level key(s) {', '.join(unknown_tables)}; a config has "
                          "[[case]] tables and optional [recipes.NAME] tables")
-    try:
-        declared = recipes.recipes_from_toml(table.get("recipes", {}), str(path))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    os.environ.update(recipes.recipes_environment(declared))
+    os.environ.update(config_recipes(path, table))
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     specs = []
     for number, case in enumerate(cases, 1):
@@ -149,6 +145,17 @@ def config_specs(path: Path) -> list[RunSpec]:
                              f"{', '.join(unknown)}; RunSpec fields are {', '.join(sorted(fields))}")
         specs.append(RunSpec(**case))
     return specs
+
+
+def config_recipes(path: Path, table: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The environment that makes the [recipes.NAME] tables of config `path` known to a process
+    and its workers (recipes.RECIPES_ENV; {} when it declares none)."""
+    table = _read_toml(path) if table is None else table
+    try:
+        declared = recipes.recipes_from_toml(table.get("recipes", {}), str(path))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return recipes.recipes_environment(declared)
 
 
 def _read_toml(path: Path) -> dict:

@@ -1,18 +1,21 @@
 """`precision-suite diff BASE [HEAD]`: the pull-request gate. The selection is trained with the
 code of commit BASE (a temporary git worktree) and with HEAD's (default: the working tree) on this
 host, same specs and seeds, so the two runs are bitwise identical unless the code changed the
-numbers. Per case: where each metric first differs, and HEAD judged against BASE as a single-run
-reference (the tolerance table, the project's overrides, --fail). `bisect` reuses every step.
+numbers. Per case: where each metric first differs, and the verdict on the change, judged by the
+engine and noise `run` judges with (verdicts/change.py): the case's baseline where it has one,
+else BASE's rounding twins measured now; `--strict` fails any change. `bisect` reuses every step.
 
-Each side trains in a fresh interpreter (jobs/train_specs.py) whose PYTHONPATH starts with a copy
-of the running precision_suite, then the side's tree: the user's code comes from the commit, the
-measuring tool is the same for both sides (even when the user's project is precision-suite).
+Each side trains in a fresh interpreter running this command's driver (jobs/train_specs.py) with
+the side's code on PYTHONPATH (`Checkout`): the user's code and the config's recipe tables come
+from the commit, and so does precision_suite itself when the repository holds it (precision-suite's
+own repository); otherwise every side measures with a copy of the running tool.
 
 A case whose runs first differ at a step t > 0 is then measured cleanly (`measure_cleanly`): BASE's
 code keeps its training state before step t (training.replays.keep_state), and BASE's and HEAD's
 code each replay the next steps from that one state, in fresh interpreters as above. Their
 differences are the change's own, free of what the two runs' earlier steps had already made
-different (at t = 0 both runs start from the same state: the free runs' sizes are clean)."""
+different (at t = 0 both runs start from the same state: the free runs' sizes are clean); for a case
+without a baseline, BASE's replay under each rounding twin gives the noise HEAD's is judged by."""
 
 from __future__ import annotations
 
@@ -25,33 +28,32 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import xarray as xr
 
 from precision_suite import files
 from precision_suite.jobs import git, results
-from precision_suite.jobs.checking import finish, judge_case, report_folder
-from precision_suite.jobs.reference import Reference, load_project
-from precision_suite.jobs.selection import Selection, selected_specs
-from precision_suite.jobs.train_specs import PROBLEMS
-from precision_suite.jobs.usage import DEFAULT_RULES_FILE, UsageError
-from precision_suite.numerics.metric_table import METRICS
-from precision_suite.training.replays import replay_steps
+from precision_suite.jobs.checking import finish, judge_and_chart, judge_case, report_folder
+from precision_suite.jobs.reference import OPTIONAL, SKIPPED, Reference, load_project, load_reference
+from precision_suite.jobs.selection import Selection, config_recipes, selected_specs
+from precision_suite.jobs.train_specs import PROBLEMS, load_twins, state_path
+from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, DEFAULT_RULES_FILE, UsageError
+from precision_suite.numerics.metric_table import METRICS, SPACES
+from precision_suite.training.matrix import KNOWN_VIOLATIONS
+from precision_suite.training.recipes import RECIPES_ENV
+from precision_suite.training.replays import replay_start, replay_steps
 from precision_suite.training.runs import RunSpec, case_id
-from precision_suite.verdicts.baseline_files import same_numbers
+from precision_suite.verdicts import judge
+from precision_suite.verdicts.baseline_files import default_regen_hint, same_numbers
+from precision_suite.verdicts.change import first_point_findings, gate_text, set_aside_base, strict_finding
 from precision_suite.verdicts.differences import Difference, first_differences, first_of
-from precision_suite.verdicts.findings import CaseVerdict, verdict
-from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, Tolerance, resolve_tolerances
-
-# `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH: in the
-# user's tree, which may hold a precision_suite of its own (or its own `git`, `train`... modules).
-_BOOTSTRAP = ("import runpy, sys; sys.path.pop(0); sys.argv.pop(0); "
-              "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
-
-Tolerances = Mapping[str, Tolerance | None]
+from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
+from precision_suite.verdicts.observed import check_observed_recipe
+from precision_suite.verdicts.project_config import ProjectConfig
+from precision_suite.verdicts.stored_replays import twin_tolerance
+from precision_suite.version import __version__
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,13 @@ class Side:
 
 @dataclass(frozen=True)
 class CaseDiff:
-    """One case compared: its differences, earliest first (empty: bitwise identical), and the
-    verdict of HEAD judged against BASE."""
+    """One case compared: its differences, earliest first (empty: bitwise identical), the verdict
+    on the change (verdicts/change.py) and what judged it."""
 
     case: str
     differences: tuple[Difference, ...]
     verdict: CaseVerdict
+    judged_by: str = ""
 
     def lines(self, metric: str | None = None) -> list[str]:
         """What `diff` prints for the case: a headline (about `metric` when given and changed),
@@ -90,12 +93,17 @@ class CaseDiff:
 class Measurement:
     """A changed case measured cleanly: BASE's and HEAD's code each replayed `steps` steps from
     BASE's state before step `start`; the replays' differences (empty: bitwise identical), or
-    `problem`, why they could not run. At `start` 0 nothing is replayed: the runs are clean there."""
+    `problem`, why they could not run. At `start` 0 nothing is replayed: the runs are clean there.
+    `base`, `head`: the replays; `tolerance`: their rounding noise, from BASE's replay under each
+    rounding twin (measured for a case without a baseline, which it judges)."""
 
     start: int
     steps: int
     differences: tuple[Difference, ...] = ()
     problem: str = ""
+    base: xr.Dataset | None = field(default=None, repr=False, compare=False)
+    head: xr.Dataset | None = field(default=None, repr=False, compare=False)
+    tolerance: Mapping[str, float] | None = None
 
     def lines(self, metric: str | None = None) -> list[str]:
         """What `diff` prints under the case's lines: the replays' headline (about `metric` when
@@ -115,6 +123,25 @@ class Measurement:
         when = f"{first.when()}: " if first.step not in (None, self.start) else ""
         return [f"{headline}: {when}{first.describe()}", *_others(self.differences, first, " " * 8)]
 
+    def stored(self) -> xr.Dataset | None:
+        """BASE's replay as a stored replay (verdicts.stored_replays) HEAD's is judged against, when
+        its twins' tolerance was measured."""
+        if self.base is None or self.head is None or self.tolerance is None:
+            return None
+        counts = {m: v for m, v in self.tolerance.items() if SPACES[m].is_count}
+        rest = {m: v for m, v in self.tolerance.items() if not SPACES[m].is_count}
+        return self.base.assign_attrs(replayed_from=self.start, replay_of="BASE", replay_tolerance=json.dumps(rest, sort_keys=True),
+                                      replay_count_noise=json.dumps(counts, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class SideRuns:
+    """What one side trained: case -> run, and case -> replay from the state stored beside the
+    case's baseline (where it has one)."""
+
+    runs: Mapping[str, xr.Dataset]
+    replays: Mapping[str, xr.Dataset] = field(default_factory=dict)
+
 
 def _others(differences: Sequence[Difference], first: Difference, indent: str) -> list[str]:
     """A line per changed metric but `first`, then the raw variables (module sums...) in one."""
@@ -126,28 +153,77 @@ def _others(differences: Sequence[Difference], first: Difference, indent: str) -
     return lines
 
 
-def fresh_interpreter(module: str, *args: str) -> list[str]:
-    """The command line of `python -m module args` in a new interpreter of this environment,
-    without the working directory on sys.path (PYTHONPATH decides)."""
-    return [sys.executable, "-c", _BOOTSTRAP, module, *args]
-
-
 @contextmanager
 def tool_snapshot() -> Iterator[Path]:
     """A folder holding a copy of the running precision_suite package, to put first on
     PYTHONPATH: every side (and every bisect step, while git checks other commits out in the
-    tree an editable install may point to) measures with the code this command started with."""
+    tree an editable install may point to) measures with the code this command started with,
+    unless the side's tree holds a precision_suite of its own (`Checkout`)."""
     with tempfile.TemporaryDirectory(prefix="precision-suite-tool-") as folder:
         shutil.copytree(Path(files.__file__).resolve().parent, Path(folder) / "precision_suite")
         yield Path(folder)
 
 
-def side_environment(tool: Path, root: Path, tree: Path) -> dict[str, str]:
+@dataclass(frozen=True)
+class Checkout:
+    """One side's code: `side` checked out in `tree` (the repository at `root`), the running
+    tool's copy in `tool`, and the config file (if any) whose [recipes.NAME] tables the side reads
+    from its own commit: everything that defines the numerics comes from the side's commit (the
+    user's code, the config's recipe tables, and precision_suite itself when the repository holds
+    it), the selection of cases from the command."""
+
+    side: Side
+    root: Path
+    tree: Path
+    tool: Path
+    config: Path | None = None
+
+    @property
+    def own_suite(self) -> bool:
+        """Whether the tree holds a precision_suite package (precision-suite's own repository, or
+        a project that vendors it): then its numerics are the commit's, not the tool's."""
+        package = self.tree / "precision_suite"
+        return all((package / part).is_file() for part in ("__init__.py", "numerics/quantization.py",
+                                                           "training/recipes.py", "jobs/train_specs.py"))
+
+    def describes(self) -> str:
+        """Which code the side ran, for the output."""
+        tool = "precision-suite from the commit (the repository holds it)" if self.own_suite else \
+            f"this command's precision-suite {__version__}"
+        recipes = ", its config's recipe tables" if self.config is not None else ""
+        return f"{self.side.name}: the project's code{recipes} and {tool}"
+
+    def environment(self) -> dict[str, str]:
+        """os.environ for an interpreter that runs this side: PYTHONPATH the tool's copy (or the
+        tree, when it holds precision_suite), the working directory's place in the tree, then the
+        existing entries (those inside the repository moved into the tree); the side's recipe
+        tables; no bytecode written into the user's tree (git bisect checks files out faster than
+        .pyc timestamps can tell)."""
+        env = side_environment(self.tool, self.root, self.tree, own_suite=self.own_suite)
+        env.pop(RECIPES_ENV, None)
+        if self.config is not None:
+            config = _moved(self.config, self.root, self.tree)
+            if config.is_file():
+                env.update(config_recipes(config))
+        return env
+
+    def command(self, *args: str) -> list[str]:
+        """The driver (jobs/train_specs.py) of the running tool, run by its path: its options are
+        the ones this command passes, its imports resolve to the side's precision_suite."""
+        return [sys.executable, "-c", _RUN_PATH, str(self.tool / "precision_suite" / "jobs" / "train_specs.py"), *args]
+
+
+# runpy.run_path, not -m: the driver is the tool's, the package it imports the side's PYTHONPATH gives
+_RUN_PATH = "import runpy, sys; sys.path.pop(0); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def side_environment(tool: Path, root: Path, tree: Path, own_suite: bool = False) -> dict[str, str]:
     """os.environ for an interpreter that runs `tree`'s code (a checkout of the repository at
-    `root`): PYTHONPATH the tool's copy, the working directory's place in `tree`, then the
-    existing entries (those inside the repository moved into `tree`); no bytecode written into
-    the user's tree (git bisect checks files out faster than .pyc timestamps can tell)."""
-    entries = [str(tool), str(_moved(Path.cwd(), root, tree))]
+    `root`): PYTHONPATH the tool's copy (after the tree, when `own_suite`), the working
+    directory's place in `tree`, then the existing entries (those inside the repository moved
+    into `tree`); no bytecode written into the user's tree."""
+    entries = [str(tree), str(tool)] if own_suite else [str(tool)]
+    entries += [str(_moved(Path.cwd(), root, tree))]
     entries += [str(_moved(Path(entry), root, tree)) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                 if entry]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(entries)), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -171,145 +247,262 @@ def side_tree(side: Side, root: Path) -> Iterator[Path]:
             yield tree
 
 
-def train_at(side: Side, root: Path, specs: Sequence[RunSpec], tool: Path, out: Path,
-             workers: int | None) -> dict[str, xr.Dataset]:
-    """case -> run of every spec trained with `side`'s code (a temporary worktree of its commit,
-    or the working tree), saved in `out` too; UsageError "<side> cannot run: <reason>"."""
-    with side_tree(side, root) as tree:
-        return _train_tree(side, root, tree, specs, tool, out, workers)
+def train_side(code: Checkout, specs: Sequence[RunSpec], out: Path, workers: int | None,
+               baseline_dir: str | None = None) -> SideRuns:
+    """Every spec trained with `code` (and replayed from the state stored beside its baseline in
+    `baseline_dir`, where it has one), saved in `out` too; UsageError "<side> cannot run: <reason>"."""
+    options = [*(["--workers", str(workers)] if workers else []),
+               *(["--stored-replays", str(Path(baseline_dir).resolve())] if baseline_dir else [])]
+    _run_side(code, specs, out, f"training {len(specs)} case(s)", *options)
+    runs = {case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec))) for spec in specs}
+    replays = {case_id(spec): files.load_dataset(path) for spec in specs
+               if (path := results.replay_result_path(str(out), case_id(spec))).is_file()}
+    return SideRuns(runs, replays)
 
 
-def _train_tree(side: Side, root: Path, tree: Path, specs: Sequence[RunSpec], tool: Path, out: Path,
-                workers: int | None) -> dict[str, xr.Dataset]:
-    _run_side(side, root, tree, specs, tool, out, f"training {len(specs)} case(s)",
-              *(["--workers", str(workers)] if workers else []))
-    return {case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec))) for spec in specs}
-
-
-def _run_side(side: Side, root: Path, tree: Path, specs: Sequence[RunSpec], tool: Path, out: Path, doing: str,
-              *options: str) -> None:
-    """`train_specs` of `specs` into `out` with `options`, by `side`'s code (checked out in `tree`),
-    its progress on stderr; UsageError "<side> cannot run: <reason>"."""
+def _run_side(code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str, *options: str) -> None:
+    """The driver on `specs` into `out` with `options`, by `code`, its progress on stderr;
+    UsageError "<side> cannot run: <reason>"."""
     out.mkdir(parents=True, exist_ok=True)
     specs_file = out / "specs.json"
     specs_file.write_text(json.dumps([json.loads(spec.to_json()) for spec in specs]))
-    command = fresh_interpreter("precision_suite.jobs.train_specs", str(specs_file), str(out), *options)
-    cwd = _moved(Path.cwd(), root, tree)
-    print(f"{side.name}: {doing}", file=sys.stderr, flush=True)
+    cwd = _moved(Path.cwd(), code.root, code.tree)
+    print(f"{code.side.name}: {doing}", file=sys.stderr, flush=True)
     last = ""
-    with subprocess.Popen(command, cwd=cwd if cwd.is_dir() else tree, env=side_environment(tool, root, tree),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with subprocess.Popen(code.command(str(specs_file), str(out), *options), cwd=cwd if cwd.is_dir() else code.tree,
+                          env=code.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as process:
         try:
             for line in process.stdout:  # progress, then (on failure) the reason as the last line
-                print(f"  {side.label} | {line.rstrip()}", file=sys.stderr, flush=True)
+                print(f"  {code.side.label} | {line.rstrip()}", file=sys.stderr, flush=True)
                 last = line.strip() or last
             status = process.wait()
         except BaseException:  # Ctrl-C: stop the side before its worktree goes
             process.kill()
             raise
     if status != 0:
-        raise UsageError(f"{side.name} cannot run: {last or f'exit status {status}'}")
+        raise UsageError(f"{code.side.name} cannot run: {last or f'exit status {status}'}")
 
 
-def measure_cleanly(base: Side, head: Side, root: Path, trees: tuple[Path, Path], specs: Sequence[RunSpec],
-                    compared: Sequence[CaseDiff], tool: Path, folder: Path) -> dict[str, Measurement]:
-    """case -> its clean measurement, for every case of `compared` whose runs first differ at a
-    step (`trees`: BASE's and HEAD's code). After step 0, BASE's code keeps its state before that
-    step and replays from it, then HEAD's code replays from the same state (two interpreters for
-    all the cases); a replay that cannot run is the case's `problem`, never an error of the
-    command. At step 0 nothing runs: both runs started from the same state."""
-    starts = {case.case: first.step for case in compared
-              if (first := first_of(case.differences)) is not None and first.step is not None}
+def first_step_noise(code: Checkout, specs: Sequence[RunSpec], runs: Mapping[str, xr.Dataset],
+                     out: Path) -> dict[str, dict[str, float]]:
+    """case -> the rounding noise of its first point (verdicts.stored_replays.twin_tolerance),
+    from the first step of each spec trained by `code` under every rounding twin."""
+    if not specs:
+        return {}
+    _run_side(code, specs, out, f"the first step of {len(specs)} case(s) under each rounding twin",
+              "--first-step-twins")
+    return {case_id(spec): twin_tolerance([runs[case_id(spec)]], load_twins(out, case_id(spec))) for spec in specs}
+
+
+def measure_cleanly(base: Checkout, head: Checkout, specs: Sequence[RunSpec],
+                    differences: Mapping[str, Sequence[Difference]], folder: Path,
+                    with_twins: Sequence[str] = ()) -> dict[str, Measurement]:
+    """case -> its clean measurement, for every case whose runs first differ at a step
+    (`differences`: case -> `first_differences` of its runs). After step 0, BASE's code keeps its state before that step and replays from it (and,
+    for the cases `with_twins`, under each rounding twin: the replay's noise), then HEAD's code
+    replays from the same state; a replay that cannot run is the case's `problem`, never an error
+    of the command. At step 0 nothing runs: both runs started from the same state."""
+    starts = {case: first.step for case, found in differences.items()
+              if (first := first_of(found)) is not None and first.step is not None}
     measured = {case: Measurement(0, 0) for case, start in starts.items() if start == 0}
     todo = [spec for spec in specs if starts.get(case_id(spec), 0) > 0]
-    if not todo:
-        return measured
-    base_replays, problems = _replay(base, root, trees[0], todo, tool, folder / "base-replays",
-                                     f"keeping the state and replaying {len(todo)} case(s)",
-                                     "--keep-state-at", ",".join(str(starts[case_id(spec)]) for spec in todo))
+    base_replays: dict[str, xr.Dataset] = {}
+    problems: dict[str, str] = {}
+    twins: dict[str, list[xr.Dataset]] = {}
+    for twinned in (False, True):  # the cases without a baseline pay for their replay's twins
+        group = [spec for spec in todo if (case_id(spec) in with_twins) == twinned]
+        if not group:
+            continue
+        out = folder / ("base-replays-twins" if twinned else "base-replays")
+        replays, failed = _replay(base, group, out, f"keeping the state and replaying {len(group)} case(s)"
+                                  + (" (and under each rounding twin)" if twinned else ""),
+                                  "--keep-state-at", ",".join(str(starts[case_id(spec)]) for spec in group),
+                                  *(["--twins"] if twinned else []))
+        base_replays.update(replays)
+        problems.update(failed)
+        for spec in group:
+            (folder / "states").mkdir(parents=True, exist_ok=True)
+            state = state_path(out, case_id(spec))
+            if state.is_file():
+                shutil.copy(state, state_path(folder / "states", case_id(spec)))
+            if twinned:
+                twins[case_id(spec)] = load_twins(out, case_id(spec))
     kept = [spec for spec in todo if case_id(spec) in base_replays]
-    head_replays, head_problems = _replay(head, root, trees[1], kept, tool, folder / "head-replays",
+    head_replays, head_problems = _replay(head, kept, folder / "head-replays",
                                           f"replaying {len(kept)} case(s) from BASE's state",
-                                          "--replay-from", str(folder / "base-replays")) if kept else ({}, {})
+                                          "--replay-from", str(folder / "states")) if kept else ({}, {})
     problems.update(head_problems)
     for spec in todo:
         case, start = case_id(spec), starts[case_id(spec)]
-        differences = () if case in problems else tuple(first_differences(base_replays[case], head_replays[case]))
-        measured[case] = Measurement(start, replay_steps(spec, start), differences, problems.get(case, ""))
+        if case in problems:
+            measured[case] = Measurement(start, replay_steps(spec, start), problem=problems[case])
+            continue
+        tolerance = twin_tolerance([base_replays[case]], twins[case]) if twins.get(case) else None
+        measured[case] = Measurement(start, replay_steps(spec, start),
+                                     tuple(first_differences(base_replays[case], head_replays[case])),
+                                     base=base_replays[case], head=head_replays[case], tolerance=tolerance)
     return measured
 
 
-def _replay(side: Side, root: Path, tree: Path, specs: Sequence[RunSpec], tool: Path, out: Path, doing: str,
+def _replay(code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str,
             *options: str) -> tuple[dict[str, xr.Dataset], dict[str, str]]:
-    """(case -> replay, case -> why it could not run) of `specs` replayed by `side`'s code."""
+    """(case -> replay, case -> why it could not run) of `specs` replayed by `code`."""
     try:
-        _run_side(side, root, tree, specs, tool, out, doing, *options)
+        _run_side(code, specs, out, doing, *options)
     except UsageError as exc:  # the whole side: every case says why
         return {}, dict.fromkeys(map(case_id, specs), str(exc))
     problems = json.loads((out / PROBLEMS).read_text())
     replays = {case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec)))
                for spec in specs if case_id(spec) not in problems}
-    return replays, {case: f"{side.name} cannot replay: {reason}" for case, reason in problems.items()}
+    return replays, {case: f"{code.side.name} cannot replay: {reason}" for case, reason in problems.items()}
 
 
-def diff_tolerances(rules_file: str, fail: Sequence[str], metric: str | None = None) -> dict[str, Tolerance | None]:
-    """The tolerances HEAD is judged with: the defaults, the project's [tool.precision_suite]
-    overrides, then --fail; as a full override table (None: a metric not compared). UsageError
-    for a --metric that is not compared."""
-    project = load_project(rules_file)
-    try:
-        table = resolve_tolerances(project.tolerances, results.parse_fail_rules(fail))
-    except ValueError as exc:
-        raise UsageError(f"tolerances: {exc}") from None
-    if metric is not None and metric not in table:
-        raise UsageError(f"--metric {metric}: not a compared metric; choose one of {', '.join(table)}")
-    return {**dict.fromkeys(DEFAULT_TOLERANCES), **table}
+def load_diff_references(specs: Sequence[RunSpec], project: ProjectConfig, baseline_dir: str) -> dict[str, Reference]:
+    """case -> what HEAD's change is judged against: the project's rules, and the case's
+    baseline and stored replay where they exist for this spec (a case without them is judged
+    against BASE's rounding twins)."""
+    return {case_id(spec): load_reference(case_id(spec), spec.to_json(), baseline_dir=baseline_dir, project=project,
+                                          regen_hint=default_regen_hint(case_id(spec)), baseline=OPTIONAL,
+                                          replay=SKIPPED if replay_start(spec) is None else OPTIONAL, strict=False)
+            for spec in specs}
 
 
-def tolerances_to_json(tolerances: Tolerances) -> dict[str, Any]:
-    return {m: None if t is None else dataclasses.asdict(t) for m, t in tolerances.items()}
-
-
-def tolerances_from_json(table: Mapping[str, Any]) -> dict[str, Tolerance | None]:
-    return {m: None if t is None else Tolerance(**t) for m, t in table.items()}
-
-
-def compare_sides(base: Mapping[str, xr.Dataset], head: Mapping[str, xr.Dataset], specs: Sequence[RunSpec],
-                  tolerances: Tolerances, report_dir: Path, charts: str, metric: str | None = None) -> list[CaseDiff]:
-    """Every case of `specs`: its differences and HEAD's verdict against BASE (only the findings
-    of `metric` when given: `bisect --metric`)."""
+def compare_sides(base: SideRuns, head: SideRuns, specs: Sequence[RunSpec], references: Mapping[str, Reference],
+                  report_dir: Path, charts: str, *, strict: bool = False,
+                  noise: Mapping[str, Mapping[str, float]] | None = None,
+                  measured: Mapping[str, Measurement] | None = None, names: tuple[str, str] = ("HEAD", "BASE"),
+                  metric: str | None = None) -> list[CaseDiff]:
+    """Every case of `specs`: its differences and the verdict on HEAD's change (verdicts/change.py):
+    against the case's baseline with what BASE's run shows set aside, or else against BASE's run
+    within `noise` (its first point's rounding twins, case -> tolerance) and the clean
+    replay of `measured`; with `strict`, any change fails. Only the findings of `metric` when given
+    (`bisect --metric`)."""
     compared = []
     for spec in specs:
         case = case_id(spec)
-        differences = () if same_numbers(base[case], head[case]) else tuple(first_differences(base[case], head[case]))
-        # HEAD against BASE's run: the change is judged, not the project's thresholds
-        against_base = Reference(case, tolerances=(tolerances,), baseline=base[case])
-        outcome = judge_case(head[case], against_base, report_dir, charts)
+        head_run, base_run = head.runs[case], base.runs[case]
+        differences = case_differences(base_run, head_run)
+        reference = references[case]
+        if not differences:
+            outcome, judged = verdict(case, []), "bitwise identical"
+        elif reference.baseline is not None:
+            outcome, judged = _against_baseline(head, base, case, reference, report_dir, charts, names), "baseline"
+        else:
+            clean = (measured or {}).get(case)
+            outcome = _against_base(head_run, base_run, case, reference, (noise or {}).get(case, {}), clean,
+                                    report_dir, charts, names)
+            judged = "BASE's rounding twins"
+        if strict and differences and not judge.blocks(outcome):
+            outcome = verdict(case, [strict_finding(case, differences[0].describe()), *outcome.findings],
+                              outcome.charts)
         if metric is not None:
             outcome = verdict(case, [f for f in outcome.findings if f.metric == metric], outcome.charts)
-        compared.append(CaseDiff(case, differences, outcome))
+        compared.append(CaseDiff(case, differences, outcome, "strict" if strict else judged))
     return compared
 
 
-def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, fail: Sequence[str] = (),
-                 metric: str | None = None, rules_file: str = DEFAULT_RULES_FILE, report_dir: str | None = None,
+def _against_baseline(head: SideRuns, base: SideRuns, case: str, reference: Reference, report_dir: Path,
+                      charts: str, names: tuple[str, str]) -> CaseVerdict:
+    """HEAD and BASE judged against the case's baseline as `run` judges; BASE's findings set aside."""
+    head_outcome = judge_case(head.runs[case], reference, report_dir, charts, replay=head.replays.get(case),
+                              names=(names[0], "baseline"))
+    base_outcome = judge_and_chart(base.runs[case], reference, replay=base.replays.get(case),
+                                   known=KNOWN_VIOLATIONS.get(case, ()))
+    return verdict(case, set_aside_base(head_outcome.findings, base_outcome.findings), head_outcome.charts)
+
+
+def _against_base(head_run: xr.Dataset, base_run: xr.Dataset, case: str, reference: Reference,
+                  noise: Mapping[str, float], clean: Measurement | None, report_dir: Path, charts: str,
+                  names: tuple[str, str]) -> CaseVerdict:
+    """HEAD against BASE's run: its first point within BASE's rounding twins, the clean replay within
+    the replay's, the observed recipe unchanged; the rules and invariants as `run` checks them,
+    what BASE's run shows set aside."""
+    # nothing to regenerate: the case has no baseline
+    against_base = dataclasses.replace(reference, baseline=None, regen_hint="",
+                                       stored_replay=clean.stored() if clean else None)
+    extra = [*first_point_findings(head_run, base_run, noise),
+             *check_observed_recipe(head_run, base_run)]
+    if clean is not None and clean.problem:  # no noise to judge the change by: it cannot pass
+        extra.append(Finding.error(case, "numerics", f"numerics changed from step {clean.start} and "
+                                   f"cannot be judged beyond noise without a clean measurement ({clean.problem}); "
+                                   "give the case a baseline, or judge with --strict"))
+    head_outcome = judge_case(head_run, against_base, report_dir, charts, extra_findings=extra,
+                              replay=clean.head if clean and clean.stored() is not None else None,
+                              drawn_against=base_run, names=names)
+    base_outcome = judge_and_chart(base_run, dataclasses.replace(reference, baseline=None, stored_replay=None),
+                                   known=KNOWN_VIOLATIONS.get(case, ()))
+    return verdict(case, set_aside_base(head_outcome.findings, base_outcome.findings), head_outcome.charts)
+
+
+def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, strict: bool | None = None,
+                 metric: str | None = None, rules_file: str = DEFAULT_RULES_FILE,
+                 baseline_dir: str = DEFAULT_BASELINE_DIR, report_dir: str | None = None,
                  charts: str = "failing", workers: int | None = None) -> int:
-    """Train the selection with BASE's and HEAD's code, print where each case changed, judge HEAD
-    against BASE and write the report; the exit status (0 unchanged or within tolerance)."""
+    """Train the selection with BASE's and HEAD's code, print where each case changed, judge the
+    change (verdicts/change.py) and write the report; the exit status (0: unchanged, or changed
+    within noise when not strict). `strict` None: the project's `diff_strict` (default false)."""
     root = git.repo_root()
     base = Side("BASE", git.resolve_commit(root, base_ref, "BASE"))
     head = Side("HEAD", None if head_ref is None else git.resolve_commit(root, head_ref, "HEAD"))
     specs = selected_specs(selection, validate=False)  # each side validates them with its own code
-    tolerances = diff_tolerances(rules_file, fail, metric)
+    project = load_project(rules_file)
+    strict = project.diff_strict if strict is None else strict
+    references = load_diff_references(specs, project, baseline_dir)
+    config = Path(selection.config).resolve() if selection.config else None
     with tempfile.TemporaryDirectory(prefix="precision-suite-diff-") as name, tool_snapshot() as tool, \
             side_tree(base, root) as base_tree, side_tree(head, root) as head_tree:
         folder = Path(name)
-        base_runs = _train_tree(base, root, base_tree, specs, tool, folder / "base", workers)
-        head_runs = _train_tree(head, root, head_tree, specs, tool, folder / "head", workers)
+        base_code, head_code = (Checkout(base, root, base_tree, tool, config), Checkout(head, root, head_tree, tool, config))
+        base_runs = train_side(base_code, specs, folder / "base", workers, baseline_dir)
+        head_runs = train_side(head_code, specs, folder / "head", workers, baseline_dir)
         out = report_folder(report_dir)
-        compared = compare_sides(base_runs, head_runs, specs, tolerances, out, charts, metric)
-        measured = measure_cleanly(base, head, root, (base_tree, head_tree), specs, compared, tool, folder)
-    print(f"{head.name} against {base.name} ({git.subject(root, base.sha)}):")
+        names = (_name(root, head), _name(root, base))
+        compared, measured = judge_commits(base_code, head_code, specs, base_runs, head_runs, references, folder, out,
+                                           charts, strict=strict, metric=metric, names=names)
+        sides = [base_code.describes(), head_code.describes()]
+    print(f"{names[0]} against {names[1]}:")
+    print("\n".join(f"  {line}" for line in sides))
+    print(f"judged {gate_text(strict, *_judged(compared))}")
     for case in compared:
         print("\n".join(case.lines(metric) + (measured[case.case].lines(metric) if case.case in measured else [])))
-    return finish([case.verdict for case in compared], head_runs, out, charts)
+    context = [f"{names[0]} against {names[1]}", *sides,
+               f"judged {gate_text(strict, *_judged(compared))}"]
+    return finish([case.verdict for case in compared], head_runs.runs, out, charts,
+                  title=f"diff: {names[0]} against {names[1]}", context=context)
+
+
+def judge_commits(base_code: Checkout, head_code: Checkout, specs: Sequence[RunSpec], base_runs: SideRuns,
+                  head_runs: SideRuns, references: Mapping[str, Reference], folder: Path, report_dir: Path,
+                  charts: str, *, strict: bool, metric: str | None = None,
+                  names: tuple[str, str] = ("HEAD", "BASE")) -> tuple[list[CaseDiff], dict[str, Measurement]]:
+    """The verdict on each case's change between two trained sides (`compare_sides`), after what
+    it needs: the clean measurement of every case that changed after step 0, and for the changed
+    cases without a baseline (unless `strict`) BASE's rounding twins of their first step and of
+    their clean replay. Returns (the cases compared, their clean measurements)."""
+    differences = {case_id(spec): case_differences(base_runs.runs[case_id(spec)], head_runs.runs[case_id(spec)])
+                   for spec in specs}
+    twinned = [] if strict else [spec for spec in specs
+                                 if differences[case_id(spec)] and references[case_id(spec)].baseline is None]
+    noise = first_step_noise(base_code, twinned, base_runs.runs, folder / "base-twins")
+    measured = measure_cleanly(base_code, head_code, specs, differences, folder,
+                               with_twins=[case_id(spec) for spec in twinned])
+    compared = compare_sides(base_runs, head_runs, specs, references, report_dir, charts, strict=strict, noise=noise,
+                             measured=measured, names=names, metric=metric)
+    return compared, measured
+
+
+def case_differences(base: xr.Dataset, head: xr.Dataset) -> tuple[Difference, ...]:
+    """Where two runs of one case first differ, earliest first (empty: bitwise identical)."""
+    return () if same_numbers(base, head) else tuple(first_differences(base, head))
+
+
+def _name(root: Path, side: Side) -> str:
+    """"HEAD 1a2b3c4 (its subject)", or "HEAD (working tree)"."""
+    return f"{side.name} ({git.subject(root, side.sha)})" if side.sha else side.name
+
+
+def _judged(compared: Sequence[CaseDiff]) -> tuple[list[str], list[str]]:
+    """(cases judged against their baseline, cases judged against BASE's twins)."""
+    return ([c.case for c in compared if c.judged_by == "baseline"],
+            [c.case for c in compared if c.judged_by == "BASE's rounding twins"])

@@ -49,8 +49,10 @@ class _DriftPanel:
 
 
 def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Sequence,
-               path: str | os.PathLike | None = None, band: ToleranceBand | None = None) -> Figure:
-    """Drift chart of one case: current run against its baseline for every metric with findings.
+               path: str | os.PathLike | None = None, band: ToleranceBand | None = None,
+               names: tuple[str, str] = ("current", "baseline")) -> Figure:
+    """Drift chart of one case: current run against its baseline for every metric with findings;
+    `names` call the two in legends and title (`diff`: HEAD and BASE with their commits).
 
     One panel per failing metric selection (e.g. underflow of gradient 128x1); in it, one colour
     per offending layer: current solid, baseline dashed, the accepted tolerance band shaded,
@@ -76,18 +78,18 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
         ax.text(0.5, 0.5, "no per-metric findings to chart", ha="center", va="center",
                 transform=ax.transAxes)
     for row, panel, first in zip(axes, panels, first_points):
-        series = _draw_drift_panel(row[0], panel, current, baseline, band)
+        series = _draw_drift_panel(row[0], panel, current, baseline, band, names)
         if first:
-            _draw_first_point_zoom(row[1], panel, first, series, current, baseline)
+            _draw_first_point_zoom(row[1], panel, first, series, current, baseline, names)
         elif len(row) > 1:
             row[1].set_visible(False)
     if left_out:
-        names = ", ".join(panel.title for panel in left_out[:4]) + (", ..." if len(left_out) > 4 else "")
-        fig.text(0.01, 0.0, f"{len(left_out)} more panel(s) with findings not drawn ({names}); "
+        titles = ", ".join(panel.title for panel in left_out[:4]) + (", ..." if len(left_out) > 4 else "")
+        fig.text(0.01, 0.0, f"{len(left_out)} more panel(s) with findings not drawn ({titles}); "
                  "every finding is in the report's table", fontsize=8, ha="left", va="bottom",
                  color="tab:red")
-    kind = "against its baseline" if baseline is not None else "against its thresholds"
-    fig.suptitle(f"{case}: current run {kind}"
+    kind = f"against {names[1]}" if baseline is not None else "against its thresholds"
+    fig.suptitle(f"{case}: {names[0]} {kind}"
                  + (f" (the {len(panels)} worst of {len(every_panel)} panels)" if left_out else ""))
     if path is not None:
         save_figure(fig, path)
@@ -110,8 +112,8 @@ def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
     return sorted(panels, key=lambda panel: min(severity(f.kind, f.score, f.known, f.tolerance) for f in panel.findings))
 
 
-def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
-                      baseline: xr.Dataset | None, band: ToleranceBand) -> list[tuple[str, dict]]:
+def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset, baseline: xr.Dataset | None,
+                      band: ToleranceBand, names: tuple[str, str]) -> list[tuple[str, dict]]:
     """Draw one drift panel; returns the (label, selection) of each series drawn."""
     var = current[panel.metric].sel(dict(panel.fixed))
     x_dim = next((d for d in ("step", "train_step") if d in var.dims), None)
@@ -135,20 +137,20 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset,
     band_labelled = False  # one legend entry for every series' band
     for colour, (label, where) in zip(palette(len(series)), series):
         ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, linewidth=2.2,
-                label=f"{label} current")
+                label=f"{label} {names[0]}")
         if reference is not None and "seed" in reference.dims:
             # a seed ensemble: every seed faint, the accepted band shaded, the current run bold
             ref_x = reference[x_dim].values if x_dim else xs
             for i, seed in enumerate(reference["seed"].values):
                 ax.plot(ref_x, np.atleast_1d(reference.sel(where).sel(seed=seed).values.astype(float)),
                         color=colour, linewidth=0.8, alpha=0.35,
-                        label=f"{label} baseline seeds" if i == 0 else None)
+                        label=f"{label} {names[1]} seeds" if i == 0 else None)
             edges = ensemble_band(panel.metric, current, baseline, {**dict(panel.fixed), **where}) \
                 if compared else None
         elif reference is not None:
             ref = np.atleast_1d(reference.sel(where).values.astype(float))
             ref_x = reference[x_dim].values if x_dim else xs
-            ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} baseline")
+            ax.plot(ref_x, ref, color=colour, linestyle="--", label=f"{label} {names[1]}")
             edges = band(panel.metric, ref) if compared else None
         else:
             edges = None
@@ -240,7 +242,7 @@ def _first_point_findings(panel: _DriftPanel, current: xr.Dataset) -> list:
 
 def _draw_first_point_zoom(ax: Axes, panel: _DriftPanel, findings: Sequence,
                            series: Sequence[tuple[str, dict]], current: xr.Dataset,
-                           baseline: xr.Dataset | None) -> None:
+                           baseline: xr.Dataset | None, names: tuple[str, str]) -> None:
     """The first point of each offending series at a scale where its change shows: the current
     value against the baseline's (the member seed's when the run is one, the other seeds faint),
     counts annotated as "k of n elements"."""
@@ -272,17 +274,17 @@ def _draw_first_point_zoom(ax: Axes, panel: _DriftPanel, findings: Sequence,
             others = [s for s in ref["seed"].values if s != member] if "seed" in ref.dims else []
             ys = [point(float(ref.sel(seed=s)), where)[0] for s in others]
             ax.scatter([x] * len(ys), ys, s=18, color=colour, alpha=0.35,
-                       label="other baseline seeds" if x == 0 and ys else None)
+                       label=f"other {names[1]} seeds" if x == 0 and ys else None)
             if "seed" not in ref.dims or member is not None:
                 ref_y, ref_text = point(float(ref.sel(seed=member) if member is not None else ref), where)
-                ref_label = f"baseline seed {member} (this run's seed)" if member is not None else "baseline"
+                ref_label = f"{names[1]} seed {member} (this run's seed)" if member is not None else names[1]
                 ax.scatter([x], [ref_y], s=90, facecolors="none", edgecolors=colour, linewidths=1.8,
                            label=ref_label if x == 0 else None)
                 ax.annotate(ref_text, (x, ref_y), xytext=(8, -10), textcoords="offset points",
                             fontsize=8, color="0.3")
         cur_y, cur_text = point(float(var.sel(where).isel({x_dim: 0})), where)
         ax.scatter([x], [cur_y], s=60, marker="X", color="tab:red", zorder=5,
-                   label="current" if x == 0 else None)
+                   label=names[0] if x == 0 else None)
         ax.annotate(cur_text, (x, cur_y), xytext=(8, 4), textcoords="offset points", fontsize=8,
                     color="tab:red")
     ax.set_xticks(range(len(drawn)), [label for label, _ in drawn])

@@ -71,7 +71,7 @@ def new_report_dir(root: str | Path = "reports") -> Path:
 def write_report(verdicts: Sequence, out_dir: str | Path,
                  datasets: Mapping[str, xr.Dataset] | None = None,
                  charts: str = "failing", known: Mapping[str, str] | None = None,
-                 sensitivity: Mapping | None = None) -> Path:
+                 sensitivity: Mapping | None = None, title: str = "", context: Sequence[str] = ()) -> Path:
     """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
@@ -108,6 +108,8 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     summary = _summary(entries, overview, known, {case: str(ds.attrs.get("quantized_by", ""))
                                                   for case, ds in datasets.items()})
     summary["sensitivity"] = jsonable(dict(sensitivity)) if sensitivity else None
+    # what the report compares, said first (`diff`: HEAD and BASE with their commits, the gate)
+    summary["title"], summary["context"] = title, list(context)
     write_text(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     write_text(out / "summary.md", _markdown(summary, out))
     write_text(out / "index.html", _html(summary, out))
@@ -238,7 +240,8 @@ def _headline(summary: dict) -> str:
              (("fail", "failing"), ("error", "erroring"), ("drift", "drifting"), ("pass", "passing"),
               ("known", "known violations"))
              if counts[s]]
-    return f"precision-suite: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
+    what = summary.get("title") or "precision-suite"
+    return f"{what}: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
 
 
 def markdown_cell(text: object) -> str:
@@ -247,7 +250,8 @@ def markdown_cell(text: object) -> str:
 
 
 def _markdown(summary: dict, out: Path) -> str:
-    lines = [f"## {_headline(summary)}", "", "| status | case | findings | worst finding |",
+    lines = [f"## {_headline(summary)}", "", *(f"{line}  " for line in summary.get("context", ())),
+             *([""] if summary.get("context") else []), "| status | case | findings | worst finding |",
              "|---|---|---|---|"]
     for case in summary["cases"]:
         worst = _worst(case["findings"])
@@ -406,6 +410,7 @@ def _html(summary: dict, out: Path) -> str:
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{headline}</title><style>{CSS}</style></head><body>"
             f"<h1 class=\"{esc(summary['overall'])}\">{_badge(summary['overall'])} {headline}</h1>"
+            + "".join(f"<p class=\"context\">{esc(line)}</p>" for line in summary.get("context", ())) +
             f"<p class=\"meta\">Created {esc(summary['created'])} by precision-suite "
             f"{esc(summary['package_version'])}. Machine-readable: <code>summary.json</code>. "
             f"Cases with their number of findings:</p><nav class=\"cases\">{case_links}</nav>"

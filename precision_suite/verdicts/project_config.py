@@ -13,15 +13,17 @@ from precision_suite.files import read_toml
 from precision_suite.verdicts.rules import Rule, parse_rules
 from precision_suite.verdicts.tolerances import tolerances_from_config
 
-CONFIG_KEYS = ("rules", "tolerances")
+CONFIG_KEYS = ("rules", "tolerances", "diff_strict")
 
 
 @dataclass(frozen=True, slots=True)
 class ProjectConfig:
-    """[tool.precision_suite] of a project: rules checked on every case, tolerance overrides."""
+    """[tool.precision_suite] of a project: rules checked on every case, tolerance overrides, and
+    whether `diff` fails any change of the numbers (`diff_strict`) instead of changes beyond noise."""
 
     rules: tuple[Rule, ...] = ()
     tolerances: Mapping[str, Any] = field(default_factory=dict)
+    diff_strict: bool = False
 
 
 def read_project_table(pyproject: str | Path) -> dict[str, Any]:
@@ -46,7 +48,10 @@ def load_project_config(pyproject: str | Path) -> ProjectConfig:
     rules = table.get("rules", [])
     if not isinstance(rules, list):
         raise ValueError(f"{pyproject}: [tool.precision_suite] rules must be a list of strings or tables")
+    strict = table.get("diff_strict", False)
+    if not isinstance(strict, bool):
+        raise ValueError(f"{pyproject}: [tool.precision_suite] diff_strict must be true or false, got {strict!r}")
     try:
-        return ProjectConfig(rules=parse_rules(rules), tolerances=tolerances_from_config(table))
+        return ProjectConfig(rules=parse_rules(rules), tolerances=tolerances_from_config(table), diff_strict=strict)
     except ValueError as err:
         raise ValueError(f"{pyproject}: [tool.precision_suite] {err}") from None

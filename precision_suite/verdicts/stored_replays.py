@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import xarray as xr
@@ -67,29 +67,52 @@ def stored_metrics(stored: xr.Dataset) -> xr.Dataset:
 
 
 def compare_replay(current: xr.Dataset, stored: xr.Dataset, regen_hint: str = "") -> list[Finding]:
-    """Findings of a new replay against the stored one: per series the first point beyond
-    rounding, and per count metric and point the case-level sum (`counts_moved_together`)."""
-    case = str(current.attrs.get("case", stored.attrs.get("case", "?")))
+    """Findings of a new replay against the stored one (`compare_points` with the stored replay's
+    twin tolerances), each marked as found in the replay. The stored replay is the baseline's, or
+    the run's its `replay_of` attribute names (`diff`: BASE's)."""
     start = int(stored.attrs["replayed_from"])
+    name = str(stored.attrs.get("replay_of", "baseline"))
     tolerance = {**json.loads(stored.attrs["replay_tolerance"]), **json.loads(stored.attrs["replay_count_noise"])}
-    reference = stored[[name for name in stored.data_vars if name in SPACES]].expand_dims(seed=[0])
-    against = f"the baseline's replay from step {start}"
+    findings = compare_points(current, split_state(stored)[0], tolerance, "replayed step",
+                              f"{'the ' if name == 'baseline' else ''}{name}'s replay from step {start}", regen_hint,
+                              reference_name=name)
+    return [mark_replayed(f, start) for f in findings]
+
+
+def compare_points(current: xr.Dataset, reference: xr.Dataset, tolerance: Mapping[str, float], point: str,
+                   against: str, regen_hint: str = "", reference_name: str = "baseline") -> list[Finding]:
+    """Every point `current` shares with `reference`, a run from the same start (a replay of the
+    same state, the same seed's first step), judged deterministically: per series its first point
+    beyond `tolerance` (by metric: the rounding twins' largest difference in its space, or a count
+    metric's count noise), and per count metric and point the case-level sum
+    (`counts_moved_together`). A change in either direction fails."""
+    case = str(current.attrs.get("case", reference.attrs.get("case", "?")))
+    reference = reference[[name for name in reference.data_vars if name in SPACES]].expand_dims(seed=[0])
     findings: list[Finding] = []
     for s in all_series(current, reference):
         tol = float(tolerance.get(s.metric, 0.0))
         for g, where in enumerate(s.groups):
             for t, time in enumerate(s.times):
-                found = point_finding(case, s, g, where, 0, t, tol, f"replayed step {time}", against, regen_hint)
+                found = point_finding(case, s, g, where, 0, t, tol, f"{point} {time}", against, regen_hint,
+                                      reference_name=reference_name)
                 if found is not None:
                     findings.append(found)
                     break
         if SPACES[s.metric].is_count:
             for t, time in enumerate(s.times):
-                found = counts_moved_together(case, s, 0, t, tol, f"replayed step {time}", against, regen_hint)
+                found = counts_moved_together(case, s, 0, t, tol, f"{point} {time}", against, regen_hint,
+                                              reference_name=reference_name)
                 if found is not None:
                     findings.append(found)
                     break
-    return [mark_replayed(f, start) for f in findings]
+    return findings
+
+
+def twin_tolerance(runs: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
+    """The deterministic tolerances of `compare_points` from runs and their rounding twins:
+    per metric the largest difference in its space (times the safety factor), per count metric
+    its count noise."""
+    return {**first_step_tolerance(runs, twins), **first_step_count_noise(runs, twins)}
 
 
 def mark_replayed(finding: Finding, start: int) -> Finding:

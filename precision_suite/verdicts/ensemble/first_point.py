@@ -89,7 +89,8 @@ def first_point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], 
 
 
 def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member: int, t: int, tol0: float,
-                  point: str, against: str, regen_hint: str, member_seed: Any = None) -> Finding | None:
+                  point: str, against: str, regen_hint: str, member_seed: Any = None,
+                  reference_name: str = "baseline") -> Finding | None:
     """A regression if point `t` of series `g` moved beyond rounding from the reference run
     `member` (a deterministic comparison: the same start on both sides): counts by the count
     model in elements, every other metric by `tol0` in its space; a new NaN/Inf fails."""
@@ -100,7 +101,7 @@ def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member
     if np.isfinite(ref_v) and not np.isfinite(cur_v):
         return series_finding(case, "regression", s, where, t, g, math.inf, tol0,
                         f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed,
-                          deterministic=True)
+                          deterministic=True, reference_name=reference_name)
     if space.is_count:
         ref, cur = ref_v * numel, cur_v * numel
         allowed = float(count_allowance(tol0, ref))
@@ -110,18 +111,19 @@ def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member
         detail = (f"{point} changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in {against}, "
                   f"{cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
         return series_finding(case, "regression", s, where, t, g, cur - ref, allowed, detail, member_seed=member_seed,
-                          deterministic=True)
+                              deterministic=True, reference_name=reference_name)
     d = s.cur_y[g, t] - s.ens_y[member, g, t]
     if not np.isfinite(d) or abs(d) <= tol0:
         return None
     detail = (f"{point} changed beyond rounding ({describe_change(space, d)}, rounding tolerance "
               f"{describe_change(space, tol0, signed=False)}) against {against}: {hint}")
     return series_finding(case, "regression", s, where, t, g, d, tol0, detail, member_seed=member_seed,
-                          deterministic=True)
+                          deterministic=True, reference_name=reference_name)
 
 
 def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise: float, point: str,
-                          against: str, regen_hint: str, member_seed: Any = None) -> Finding | None:
+                          against: str, regen_hint: str, member_seed: Any = None,
+                          reference_name: str = "baseline") -> Finding | None:
     """The case-level deterministic check of a count metric at point `t`: the sum of every
     series' change against the rounding noise of that sum, each series' noise taken as its
     allowance / FIRST_STEP_SAFETY and the series as independent. Another host moves each count
@@ -143,8 +145,8 @@ def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise
               f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
               f"{changed_hint(regen_hint)}")
     return series_finding(case, "regression", s, s.groups[g], t, g, z, FIRST_STEP_SAFETY, detail, member_seed=member_seed,
-                          deterministic=True)
+                          deterministic=True, reference_name=reference_name)
 
 
 def changed_hint(regen_hint: str) -> str:
-    return "the computation itself changed; if intended, regenerate" + (f" with: {regen_hint}" if regen_hint else "")
+    return "the computation itself changed" + (f"; if intended, regenerate with: {regen_hint}" if regen_hint else "")

@@ -164,7 +164,7 @@ def spread(s: Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
 
 def series_finding(case: str, kind: str, s: Series, where: Mapping[str, Any], t: int, g: int,
                    score: float, tolerance: float, detail: str, member_seed: Any = None,
-                   deterministic: bool = False) -> Finding:
+                   deterministic: bool = False, reference_name: str = "baseline") -> Finding:
     """A finding of series `g` at point `t`. `deterministic`: a comparison of the same start (a
     first point, a replay), which fails in either direction: worded "changed", with worse or
     better where the metric has a bad direction (score: positive is the bad direction's)."""
@@ -186,7 +186,7 @@ def series_finding(case: str, kind: str, s: Series, where: Mapping[str, Any], t:
         what = "changed (worse)" if direction > 0 else "changed (better)" if direction < 0 else "changed"
     else:
         what = "regressed" if kind == "regression" else "drifted (better)"
-    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value_text} vs baseline "
+    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value_text} vs {reference_name} "
                f"{reference_text}{seeds_text}; {detail}")
     return Finding(case=case, kind=kind, metric=s.metric, where=where, value=value,
                    reference=reference, tolerance=float(tolerance), message=message,
