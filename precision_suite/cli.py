@@ -4,6 +4,10 @@ Exit status: 0 when every check holds (drift is reported but holds), 1 on a nume
 (a failing or erroring case), 2 on bad usage or configuration (unknown names, unreadable files,
 missing or mismatched baselines), always with a one-line message saying what to do next.
 
+Every command imports the user's code (models, batches, attention variants named by import
+strings) from the current directory, as `python -m` would, and from the installed packages, in
+its own process and in every worker it starts.
+
 A loop over the commands of precision_suite.commands, each a module that declares its arguments
 and runs; a command imports its job once the arguments are parsed, so that `--help` and
 `--version` answer at once without loading torch, xarray or matplotlib.
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from precision_suite.commands import (
     baseline,
@@ -28,6 +33,7 @@ from precision_suite.commands import (
 )
 from precision_suite.commands.arguments import Command, Group
 from precision_suite.jobs.usage import EXIT_USAGE, UsageError
+from precision_suite.training.imports import project_importable
 from precision_suite.version import __version__
 
 # in the order `precision-suite --help` lists them
@@ -64,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return args.command_func(args)
+        with project_importable(Path.cwd()):  # the user's code named by import strings: docs/cli.md
+            return args.command_func(args)
     except UsageError as exc:
         print(f"precision-suite: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -195,10 +195,15 @@ class RunCache:
 
 
 @pytest.fixture(scope="session")
-def precision_run(pytestconfig: pytest.Config) -> RunCache:
-    """`precision_run(spec) -> xarray.Dataset`, each spec trained once per session."""
+def precision_run(pytestconfig: pytest.Config) -> Iterator[RunCache]:
+    """`precision_run(spec) -> xarray.Dataset`, each spec trained once per session; the user's
+    code its specs name is imported from the rootdir (and the installed packages), as the
+    command line imports it from the current directory."""
+    from precision_suite.training.imports import project_importable  # lazy, as every import here
+
     settings = pytestconfig.stash[SETTINGS_KEY]
-    return RunCache(settings.device, settings.seed)
+    with project_importable(pytestconfig.rootpath):
+        yield RunCache(settings.device, settings.seed)
 
 
 @pytest.fixture

@@ -7,6 +7,9 @@ these tests check the command line itself in seconds; one test at the end trains
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +39,18 @@ attention = "x/1"
 recipe = "fp32"
 """
 PLANTED = dict(layer=2, tensor="gradient_transpose", layout="128x1")
+TESTS = Path(__file__).resolve().parent
+# a user's package measured on its first block and head: `mypkg/model.py` is tests/user_code.py
+USER_CASES = """
+[[case]]
+name = "tiny-gpt"
+model = "mypkg.model:build"
+batches = "mypkg.model:batches"
+modules = ["h.0.*", "lm_head"]
+steps = 4
+sample_every = 2
+width = 32
+"""
 
 
 def _synthetic(spec: RunSpec, planted: bool = False):
@@ -228,12 +243,32 @@ def test_known_violations_report_but_do_not_fail_unless_the_baseline_regresses(w
     ('[[case]]\nmodel = "vit"\nsteps = 0\n', "steps must be a positive integer"),
     ("[[case]\n", "TOML"),
     ("title = 'no cases'\n", "no [[case]] tables"),
+    ('[[case]]\nmodel = "vit"\n\n[[case]]\nname = "my case"\n', "bad.toml: [[case]] number 2: name must be 1 to 80"),
+    ('[[case]]\nmodel = "vit"\nmodules = "blocks.*"\n', "bad.toml: [[case]] number 1: modules must be a list"),
+    ('[[case]]\nmodel = 3\n', "bad.toml: [[case]] number 1: model must be a string, got 3"),
+    ('[[case]]\nmodel = "vit"\nmodules = ["block.*"]\n', "modules pattern 'block.*' matches none of the 50"),
+    ('[[case]]\nname = "a"\nmodel = "vit"\n\n[[case]]\nname = "a"\nmodel = "vit"\n', "several specs for case a-"),
 ])
 def test_bad_config_files_are_usage_errors(workdir, capsys, config, message):
     (workdir / "bad.toml").write_text(config)
     assert cli.main(["run", "--config", "bad.toml"]) == 2
     err = capsys.readouterr().err
     assert message in err and "bad.toml" in err and "Traceback" not in err
+
+
+def test_named_cases_are_their_names_and_hashes_from_config_to_baseline_files(workdir, fake_training, capsys):
+    """One name for two cases that measure different modules: two ids, two baselines, each
+    selectable with --case."""
+    (workdir / "named.toml").write_text('[[case]]\nname = "tiny"\nmodel = "vit"\nmodules = ["blocks.0.*"]\n\n'
+                                        '[[case]]\nname = "tiny"\nmodel = "vit"\nmodules = ["blocks.1.*"]\n')
+    specs = config_specs(Path("named.toml"))
+    ids = [case_id(spec) for spec in specs]
+    assert [spec.modules for spec in specs] == [("blocks.0.*",), ("blocks.1.*",)]
+    assert len(set(ids)) == 2 and all(i.startswith("tiny-") for i in ids)
+    assert cli.main(["baseline", "update", "--workers", "1", "--config", "named.toml"]) == 0
+    assert sorted(p.name for p in (workdir / "baselines").glob("*.nc")) == sorted(f"{i}.nc" for i in ids)
+    assert cli.main(["run", "--config", "named.toml", "--case", ids[1], "--report-dir", "one", "--charts", "none"]) == 0
+    assert [c["case"] for c in _summary(workdir / "one")["cases"]] == [ids[1]]
 
 
 def test_report_from_saved_results_without_training(workdir, fake_training, capsys):
@@ -384,3 +419,51 @@ def test_shards_split_the_matrix_and_one_report_merges_them(workdir, fake_traini
 def test_bad_shards_and_workers_are_usage_errors(workdir, capsys, argv, message):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_every_command_family_finds_the_users_package_from_the_project_root(tmp_path):
+    """As a user runs them: the console script (which puts its own folder on sys.path, not the
+    current directory), from the project's root, no PYTHONPATH; the runs train in this process,
+    in spawned workers and in the rounding twins' fresh interpreters."""
+    project = tmp_path / "project"
+    (project / "mypkg").mkdir(parents=True)
+    (project / "mypkg" / "__init__.py").touch()
+    shutil.copy(TESTS / "user_code.py", project / "mypkg" / "model.py")
+    (project / "cases.toml").write_text(USER_CASES)
+    script = tmp_path / "bin" / "precision-suite"  # what pip's console script does
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom precision_suite.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+    def suite(*args: str, cwd: Path = project) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+    (spec,) = config_specs(project / "cases.toml")
+    case = case_id(spec)
+    assert re.fullmatch(r"tiny-gpt-[0-9a-f]{8}", case)
+    made = suite("baseline", "update", "--config", "cases.toml", "--workers", "2")
+    assert made.returncode == 0, made.stderr[-3000:]
+    baseline = files.load_dataset(project / "baselines" / f"{case}.nc")
+    assert baseline.module.values.tolist() == ["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2",
+                                               "lm_head"]
+    checked = suite("run", "--config", "cases.toml", "--workers", "1", "--charts", "none", "--report-dir", "r",
+                    "--save-results", "results")
+    assert checked.returncode == 0 and f"PASS  {case}" in checked.stdout, checked.stderr[-3000:]
+    for args in (["init", "-q"], ["add", "mypkg", "cases.toml"],
+                 ["-c", "user.name=T", "-c", "user.email=t@example.com", "commit", "-q", "-m", "model"]):
+        subprocess.run(["git", *args], cwd=project, check=True, capture_output=True)
+    recorded = suite("history", "record", "results", "--store", "store")
+    assert recorded.returncode == 0, recorded.stderr[-3000:]
+    reported = suite("history", "report", "--store", "store", "--report-dir", "h", "--charts", "none")
+    assert reported.returncode == 0, reported.stderr[-3000:]
+    assert [c["case"] for c in _summary(project / "h")["cases"]] == [case]
+    calibrated = suite("calibrate", "--config", "cases.toml", "--workers", "2", "--report-dir", "c")
+    # trained and judged every perturbed run (status 1 would be a false alarm it found, 2 an import error)
+    assert calibrated.returncode in (0, 1) and re.search(r"\d+ judged: [1-9]\d* perturbed runs", calibrated.stdout), \
+        calibrated.stderr[-3000:]
+    assert (project / "c" / "calibration.json").is_file()
+    # from another folder the package is not there, and the error says where it was looked for
+    elsewhere = suite("run", "--config", str(project / "cases.toml"), cwd=tmp_path)
+    assert elsewhere.returncode == 2
+    assert f"no module 'mypkg' under {tmp_path.resolve()} (the project root" in elsewhere.stderr

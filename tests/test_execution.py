@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 import xarray as xr
@@ -14,6 +18,7 @@ from precision_suite.jobs import execution
 from precision_suite.jobs.execution import Task
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.training import matrix, runs
+from precision_suite.training.imports import load_object, project_importable
 from precision_suite.training.runs import RunSpec
 
 
@@ -65,6 +70,27 @@ def test_a_bad_spec_in_a_fresh_process_is_the_same_error_as_in_this_one():
     with pytest.raises(ValueError, match=r"^unknown attention 'nope'; known: "):
         execution.run_tasks([Task(RunSpec(model="vit", attention="nope", steps=1),
                                   env={"ATEN_CPU_CAPABILITY": "default"})])
+
+
+def test_the_project_root_is_importable_here_in_spawned_workers_and_in_fresh_interpreters(tmp_path, monkeypatch):
+    root = tmp_path / "project"
+    (root / "ergo_user_pkg").mkdir(parents=True)
+    (root / "ergo_user_pkg" / "__init__.py").write_text("def build(spec):\n    return 'built'\n")
+    monkeypatch.chdir(tmp_path)  # the root is not the current directory: only project_importable adds it
+    with pytest.raises(ValueError, match="cannot import 'ergo_user_pkg'"):
+        load_object("ergo_user_pkg:build", "model")
+    before = (list(sys.path), os.environ.get("PYTHONPATH"))
+    try:
+        with project_importable(root):
+            assert load_object("ergo_user_pkg:build", "model")(None) == "built"
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                assert pool.submit(load_object, "ergo_user_pkg:build", "model").result()(None) == "built"
+            fresh = subprocess.run([sys.executable, "-c", "import ergo_user_pkg; print(ergo_user_pkg.build(None))"],
+                                   capture_output=True, text=True)
+            assert fresh.stdout.strip() == "built", fresh.stderr
+    finally:
+        sys.modules.pop("ergo_user_pkg", None)
+    assert (sys.path, os.environ.get("PYTHONPATH")) == before
 
 
 @pytest.mark.parametrize("capability, isa_twins", [

@@ -30,6 +30,7 @@ Laws checked here:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
@@ -492,3 +493,26 @@ def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
     charts = junit_properties(inner.path / "j.xml")["precision_chart"]
     assert len(set(charts)) == 2 and all(is_png(chart) for chart in charts)
     result.stdout.fnmatch_lines(["*precision-suite*", "chart  *.png", "chart  *.png"])
+
+
+@pytest.mark.slow
+def test_a_session_imports_the_users_package_from_the_rootdir(pytester, monkeypatch):
+    """pytest started below the rootdir, no PYTHONPATH naming it: the specs' import strings
+    resolve from the rootdir, in the session and in the fresh interpreters of the rounding twins
+    that --precision-regen trains."""
+    shutil.copy(TESTS_DIR / "user_code.py", pytester.mkpydir("mypkg") / "model.py")
+    pytester.makeini("[pytest]\n")  # the rootdir
+    fields = dict(name="tiny-gpt", model="mypkg.model:build", batches="mypkg.model:batches",
+                  modules=["h.0.*", "lm_head"], steps=4, sample_every=2, width=32)
+    (pytester.mkdir("tests") / "test_model.py").write_text(
+        "from precision_suite import RunSpec\n\n"
+        f"def test_tiny_gpt(precision_check):\n    precision_check(RunSpec(**{fields!r}))\n")
+    monkeypatch.chdir(pytester.path / "tests")  # pytester puts the current directory on PYTHONPATH
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    pytester.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    case = case_id(RunSpec(**fields))
+    assert in_fresh_python(pytester, f"""
+        from precision_suite.files import load_dataset
+        print(load_dataset({str(pytester.path / "baselines" / f"{case}.nc")!r}).module.values.tolist())
+    """).strip() == str(["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2", "lm_head"])

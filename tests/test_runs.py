@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +17,10 @@ import xarray as xr
 import precision_suite
 from precision_suite.files import SCHEMA_VERSION, load_dataset, save_dataset
 from precision_suite.training import runs
+from precision_suite.training.imports import load_object, project_importable
 from precision_suite.training.runs import RunSpec, case_id, run
 
+BASELINES = Path(__file__).resolve().parents[1] / "baselines"
 # 8 images x 16 patches = 128 token rows: the smallest batch a (128, 1) block fits
 TINY_VIT = dict(model="vit", depth=2, steps=4, batch_size=8, sample_every=2)
 TINY_GPT = dict(model="gpt", depth=2, seq_len=32, batch_size=4, steps=3, sample_every=2)
@@ -141,6 +146,12 @@ def test_run_restores_threads_and_rng_and_reports_progress():
         *([] if torch.cuda.is_available() else [({"device": "cuda"}, "torch sees no CUDA device")]),
         ({"lr": float("nan")}, "lr must be a positive finite number"),
         ({"model": "vit", "seq_len": 9}, r"tokens \(seq_len\) must be one of \(4, 16, 64\)"),
+        ({"name": "my case"}, "name must be 1 to 80 letters, digits, '.', '_' or '-'.*got 'my case'"),
+        ({"name": "x" * 81}, "name must be 1 to 80 letters"),
+        ({"name": 7}, "name must be 1 to 80 letters"),
+        ({"modules": "blocks.*"}, r"modules must be a list of globs over module names.*got 'blocks.\*'"),
+        ({"modules": ("blocks.*", "")}, "modules must be a list of globs"),
+        ({"modules": ("blocks.9.*",)}, r"modules pattern 'blocks.9.\*' matches none of the 9 linear-like modules"),
     ],
 )
 def test_bad_specs_fail_before_training_with_what_is_allowed(change, message, monkeypatch):
@@ -189,6 +200,51 @@ def test_everything_that_defines_a_case_is_in_its_id_and_the_host_is_not():
         assert case_id(RunSpec(model="gpt", recipe="fp8-block", **host)) == ids[0]
 
 
+def test_a_named_case_is_its_name_and_a_hash_of_what_it_trains():
+    named = [RunSpec(name="tiny", **fields) for fields in
+             [{}, {"model": "vit"}, {"attention": "x/1"}, {"recipe": "fp8-block"}, {"steps": 20}]]
+    ids = [case_id(spec) for spec in named]
+    assert len(set(ids)) == len(ids)  # one name, different things trained: different ids
+    assert all(re.fullmatch(r"tiny-[0-9a-f]{8}", i) for i in ids)
+    # the hash says what is trained: a renamed case keeps it, the host changes nothing
+    assert case_id(RunSpec(name="other.name", model="vit")).removeprefix("other.name") == ids[1].removeprefix("tiny")
+    for host in [{"seed": 7}, {"threads": 2}, {"device": "cpu"}]:
+        assert case_id(RunSpec(name="tiny", model="vit", **host)) == ids[1]
+    # a named case never takes the id of an unnamed one
+    assert case_id(RunSpec(name="gpt-softmax-fp32")) != case_id(RunSpec())
+
+
+def test_the_committed_baselines_and_the_default_matrix_keep_their_case_ids():
+    """The fields added for naming and module selection change no existing id: each committed
+    baseline's stored spec still reads as the case its file is named after, and the default
+    matrix is those cases."""
+    from precision_suite.training.matrix import default_matrix
+
+    stored = {path.stem: load_dataset(path).attrs for path in sorted(BASELINES.glob("*.nc"))}
+    assert stored, f"no baselines in {BASELINES}"
+    for stem, attrs in stored.items():
+        spec = RunSpec.from_json(attrs["spec"])
+        assert (spec.name, spec.modules) == (None, ())
+        assert case_id(spec) == attrs["case"] == stem
+    assert sorted(case_id(spec) for spec in default_matrix()) == sorted(stored)
+    assert not {"name", "modules"} & {key for spec in default_matrix() for key in json.loads(spec.to_json())}
+
+
+def test_modules_define_the_case_and_what_its_dataset_holds():
+    base = RunSpec(**TINY_GPT)
+    first_block = RunSpec(**TINY_GPT, modules=["blocks.0.*", "head"])
+    assert first_block.modules == ("blocks.0.*", "head")
+    assert RunSpec.from_json(first_block.to_json()) == first_block
+    assert case_id(first_block) != case_id(base) and case_id(first_block).startswith("gpt-softmax-fp32-")
+    # fields added later enter a spec's JSON only when set: stored specs read as the same case
+    assert "modules" not in json.loads(base.to_json()) and "name" not in json.loads(base.to_json())
+    short = dataclasses.replace(first_block, steps=1)
+    ds = run(short)
+    assert ds.attrs["case"] == case_id(short)
+    assert ds.module.values.tolist() == ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1",
+                                         "blocks.0.mlp.fc2", "head"]
+
+
 def test_a_users_model_batches_and_attention_run_from_import_strings():
     spec = RunSpec(model="user_code:build", batches="user_code:batches", steps=2, sample_every=1,
                    recipe="fp8-block")
@@ -213,6 +269,32 @@ def test_a_users_model_batches_and_attention_run_from_import_strings():
 def test_bad_import_strings_name_the_field(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RunSpec(**fields).validate()
+
+
+def test_an_import_that_fails_says_what_is_missing_and_where_it_was_looked_for(tmp_path):
+    (tmp_path / "ergo_dependent.py").write_text("import ergo_not_installed\n")
+    (tmp_path / "ergo_pkg").mkdir()
+    (tmp_path / "ergo_pkg" / "__init__.py").touch()
+    try:
+        with project_importable(tmp_path):
+            # a name found nowhere: where it was looked for, not "run from the project root"
+            with pytest.raises(ValueError, match=re.escape(
+                    f"model: cannot import 'ergo_missing.models': no module 'ergo_missing' under {tmp_path.resolve()} "
+                    "(the project root: the current directory, under pytest its rootdir) nor among the installed "
+                    "packages; check the name (a ergo_missing.py file or a ergo_missing/ folder with an "
+                    "__init__.py)")):
+                load_object("ergo_missing.models:build", "model")
+            # the package is there, its module is not: a misspelt name
+            with pytest.raises(ValueError, match=re.escape(
+                    f"model: cannot import 'ergo_pkg.modle': package 'ergo_pkg' (in {tmp_path.resolve() / 'ergo_pkg'}) "
+                    "has no module 'modle'; check the name")):
+                load_object("ergo_pkg.modle:build", "model")
+            # the module is there but its own import is not: not a question of where it is
+            with pytest.raises(ValueError, match=re.escape("batches: importing 'ergo_dependent' failed: No module "
+                                                           "named 'ergo_not_installed'; install what it imports")):
+                load_object("ergo_dependent:batch", "batches")
+    finally:
+        sys.modules.pop("ergo_pkg", None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

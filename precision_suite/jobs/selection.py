@@ -87,15 +87,11 @@ def selected_specs(selection: Selection, validate: bool = True) -> list[RunSpec]
             raise UsageError(f"--shard {index}/{count}: the selection has only {len(specs)} case(s); "
                              f"use at most {len(specs)} shards")
         specs = specs[index - 1::count]
-    for spec in specs:  # type errors first: a case id is built from these fields
-        for field in ("model", "attention", "recipe"):
-            if not isinstance(getattr(spec, field), str):
-                raise UsageError(f"{source}: {field} must be a string, got {getattr(spec, field)!r}")
     ids = [case_id(spec) for spec in specs]
     duplicates = sorted({case for case in ids if ids.count(case) > 1})
     if duplicates:
-        raise UsageError(f"{source} has several specs for case {', '.join(duplicates)}; a case "
-                         "(model, attention, recipe) has one baseline file, so give each one once")
+        raise UsageError(f"{source} has several specs for case {', '.join(duplicates)}; a case has one "
+                         "baseline file, so give each one once")
     for spec in specs if validate else ():  # every spec is checked before the first one trains
         try:
             spec.validate()
@@ -143,7 +139,12 @@ def config_specs(path: Path) -> list[RunSpec]:
         if unknown:
             raise UsageError(f"{path}: [[case]] number {number} has unknown field(s) "
                              f"{', '.join(unknown)}; RunSpec fields are {', '.join(sorted(fields))}")
-        specs.append(RunSpec(**case))
+        spec = RunSpec(**case)
+        try:  # before anything else reads them: the case id is made of these fields
+            spec.check_case_fields()
+        except ValueError as exc:
+            raise UsageError(f"{path}: [[case]] number {number}: {exc}") from None
+        specs.append(spec)
     return specs
 
 

@@ -57,9 +57,13 @@ USER_MODEL_DEFAULTS = {"batch_size": 8, "lr": 1e-3}  # a user's model (model = "
 NOT_CASE_IDENTITY = ("seed", "threads", "device")
 # how a case is judged, not what it trains: neither in its id nor compared with its baseline's spec
 JUDGING_FIELDS = ("expect",)
+# what a case is called, not what it trains: its id's readable part, outside the id's hash
+NAMING_FIELDS = ("name",)
 # fields added after case ids and baselines were first written: in a spec's JSON and its case id
 # only when set, so the specs stored before they existed still read as the same case
-ADDED_FIELDS = ("expect", "replace_own_quantization")
+ADDED_FIELDS = ("expect", "replace_own_quantization", "name", "modules")
+# a case's name: it names files (baselines, charts) and is typed after --case
+CASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 GRAD_CLIP_NORM = 1.0
 
 ProgressFn = Callable[[int, int, float], None]
@@ -99,11 +103,16 @@ class RunSpec:
     expect: tuple[tuple[str, str], ...] = ()
     # a `recipe` replaces linear layers that quantize on their own (a torchao Float8Linear) only when set
     replace_own_quantization: bool = False
+    name: str | None = None  # the case id's readable part in place of <model>-<attention>-<recipe>
+    # the modules measured: globs over fully qualified module names, as instrument(modules=...)
+    # takes them; () measures every linear-like module
+    modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # lists (from JSON or callers) become tuples so specs stay hashable and compare equal
-        if isinstance(self.extra_formats, list):
-            object.__setattr__(self, "extra_formats", tuple(self.extra_formats))
+        for name in ("extra_formats", "modules"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.expect, Mapping):  # a TOML table: glob = "recipe"
             object.__setattr__(self, "expect", tuple((str(k), v) for k, v in self.expect.items()))
         elif isinstance(self.expect, list):  # JSON: [[glob, recipe], ...]
@@ -154,6 +163,7 @@ class RunSpec:
     # -- validation -----------------------------------------------------------------------------
     def validate(self) -> RunSpec:
         """Raise ValueError (naming the field and what is allowed) unless the spec can run."""
+        self.check_case_fields()
         for name in ("steps", "sample_every", "threads"):
             _check_positive_int(name, getattr(self, name))
         for name in ("batch_size", "depth", "width", "heads", "seq_len"):
@@ -194,7 +204,24 @@ class RunSpec:
                 recipe.check_fits(in_features, out_features, tokens, f"linear layer {name!r}")
             for scheme in schemes:
                 check_scheme_fits(scheme, in_features, out_features, tokens, f"linear layer {name!r}")
+        if self.modules:  # a glob that matches no layer, said before anything trains (a user's model: when built)
+            with torch.random.fork_rng(devices=[]):
+                instrument(build_model(config), modules=self.modules, attention=None, observe=False)
         return self
+
+    def check_case_fields(self) -> None:
+        """Raise ValueError (naming the field) unless the fields that name the case and say what
+        it measures have their form: what `case_id` reads, checked before the rest of `validate`.
+        Whether the `modules` globs match a layer is `validate`'s to say."""
+        for name in ("model", "attention", "recipe"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.name is not None and not (isinstance(self.name, str) and CASE_NAME.fullmatch(self.name)):
+            raise ValueError(f"name must be 1 to 80 letters, digits, '.', '_' or '-', starting with a letter or "
+                             f"digit (it names the case's files), e.g. name = \"my-model-fp8\"; got {self.name!r}")
+        if not (isinstance(self.modules, tuple) and all(isinstance(p, str) and p for p in self.modules)):
+            raise ValueError("modules must be a list of globs over module names, e.g. modules = [\"blocks.*\", "
+                             f"\"head\"]; got {self.modules!r}")
 
     def _checked_recipe(self) -> Recipe | None:
         if not isinstance(self.recipe, str):
@@ -264,19 +291,29 @@ def safe_name(name: str) -> str:
 def case_id(spec: RunSpec) -> str:
     """'<model>-<attention>-<recipe>', filename-safe, e.g. 'gpt-x3-sqrtN-fp8-block', then a short
     hash of every other field that defines the case where one differs from the defaults (sizes,
-    steps, extra formats, batches...): two specs that are different cases never share an id, nor
-    a baseline file. Seed, threads and device are not part of a case (NOT_CASE_IDENTITY). A user's
-    model trained without a recipe of the suite's computes as its own code does (which the run
-    observes: training/observation.py), so its recipe reads "own", not "fp32"."""
+    steps, extra formats, batches, modules...): two specs that are different cases never share an
+    id, nor a baseline file. Seed, threads and device are not part of a case (NOT_CASE_IDENTITY). A
+    user's model trained without a recipe of the suite's computes as its own code does (which the
+    run observes: training/observation.py), so its recipe reads "own", not "fp32".
+
+    A named case is '<name>-<hash>', the hash over every field that defines the case, model,
+    attention and recipe included, and the name left out: two cases of one name that train
+    different things get different ids, and a renamed case keeps its hash."""
+    identity = {name: value for name, value in spec.fields().items()
+                if name not in (*NOT_CASE_IDENTITY, *JUDGING_FIELDS, *NAMING_FIELDS)}
+    if spec.name is not None:
+        return f"{safe_name(spec.name)}-{_digest(identity)}"
     recipe = "own" if spec.user_model and spec.recipe == "fp32" else safe_name(spec.recipe)
     readable = f"{safe_name(spec.model)}-{safe_name(spec.attention)}-{recipe}"
     defaults = RunSpec().fields()
-    identity = {name: value for name, value in spec.fields().items()
-                if name not in ("model", "attention", "recipe", *NOT_CASE_IDENTITY, *JUDGING_FIELDS)}
-    if all(value == defaults.get(name) for name, value in identity.items()):
+    others = {name: value for name, value in identity.items() if name not in ("model", "attention", "recipe")}
+    if all(value == defaults.get(name) for name, value in others.items()):
         return readable
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{readable}-{digest}"
+    return f"{readable}-{_digest(others)}"
+
+
+def _digest(fields: Mapping[str, object]) -> str:
+    return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -352,7 +389,7 @@ class Trainer:
         names = {id(module): name for name, module in self.model.named_modules()}
         self.replaced = {names[id(layer)] for layer in recipe_layers(self.model)} \
             if recipe is not None and not spec.replace_own_quantization else set()
-        self.recorder: Recorder = instrument(self.model, schemes=spec.measured_schemes())
+        self.recorder: Recorder = instrument(self.model, modules=spec.modules or None, schemes=spec.measured_schemes())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
         self.batch_size = spec.resolved_batch_size()
