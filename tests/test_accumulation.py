@@ -18,7 +18,7 @@ from fractions import Fraction
 import mmaemu
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quantize
@@ -377,3 +377,47 @@ def test_compiled_kernels_equal_mmaemu(mode, monkeypatch):
     ours = accumulate(a, w.t(), mode)
     assert not quantization._compile_failed, "torch.compile fell back to eager: nothing was compared"
     assert torch.equal(bits(ours), bits(mmaemu_accumulate(a, w, fast=mode == "hopper-fast")))
+
+
+# ----------------------------------------------------------------------------- the metric's law
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 8192), st.integers(0, 2**31 - 1),
+       st.sampled_from(["hopper-fast", "hopper-promoted"]))
+def test_the_metric_on_same_sign_operands_is_bounded_by_the_fraction_bits(m, n, k, seed, mode):
+    """On same-sign normal (or zero) elements every product's weight is the product itself, so
+    the per-output bound of test_error_is_bounded_by_the_modelled_fraction_bits, |C - R| <=
+    bound * W with W = |R|, holds for the Frobenius ratio: relative_error <= error_bound(K, mode).
+    hopper-promoted's bound is one chunk's, plus 2^-24 per promotion: flat in K; hopper-fast's
+    is K's."""
+    a = fp8_operand("normal", m, k, "e4m3", seed).float().abs()
+    w = fp8_operand("normal", n, k, "e4m3", seed + 1).float().abs()
+    a, w = (torch.where(x == 0, 0.0, x.clamp(min=2.0**-6)).to(torch.float8_e4m3fn) for x in (a, w))
+    error = relative_error(accumulation_error_sums(a, w.t(), 1.0, 1.0, mode))
+    assert error <= error_bound(k, mode) + 2.0**-40
+    if mode == "hopper-promoted":  # the same bound whatever K, but for the float32 promotions
+        assert error <= error_bound(128, mode) + math.ceil(k / 128) * 2.0**-24 + 2.0**-40
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 8), st.integers(14, 18), st.sampled_from([256, 512, 1024, 2048, 4096, 8192]))
+def test_the_metric_grows_with_k_under_fast_accumulation_and_not_under_promotion(p, d, k):
+    """One product 2^p, then K - 1 products 2^(p - d), d >= 14 (below the grid of a chain that
+    holds 2^p): a fast chain loses every small product, a promoted one only those of its first
+    chunk (test_one_large_product_swamps_...). So the metric is, exactly,
+    (K - 1) 2^-d / (1 + (K - 1) 2^-d) under hopper-fast, rising with K toward 1, and
+    127 * 2^-d / (1 + (K - 1) 2^-d) under hopper-promoted, never above its value at K = 128."""
+    s = p - d
+    assume(s >= -12)  # the small product of two normal E4M3 elements
+    small_a = max(s, -6)
+    a = torch.full((1, k), 2.0**small_a)
+    b = torch.full((k, 1), 2.0 ** (s - small_a))
+    a[0, 0], b[0, 0] = 2.0**p, 1.0
+    a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    exact = 1 + (k - 1) * 2.0**-d
+    fast = relative_error(accumulation_error_sums(a, b, 1.0, 1.0, "hopper-fast"))
+    promoted = relative_error(accumulation_error_sums(a, b, 1.0, 1.0, "hopper-promoted"))
+    assert fast == pytest.approx((k - 1) * 2.0**-d / exact, rel=1e-12)
+    assert promoted == pytest.approx(127 * 2.0**-d / exact, rel=1e-12)
+    assert fast > (k // 2 - 1) * 2.0**-d / (1 + (k // 2 - 1) * 2.0**-d)  # above its value at K / 2
+    assert promoted <= 127 * 2.0**-d / (1 + 127 * 2.0**-d)  # at most its value at K = 128

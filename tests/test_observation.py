@@ -277,3 +277,40 @@ def test_rowwise_expectations_read_row_and_column_blocks(monkeypatch):
         for g in ("fprop", "dgrad", "wgrad")}}))
     assert get_recipe("torchao-rowwise").fprop.a.layout == (1, 0)
     assert observed.check_expected(with_expectations(rowwise, ("blocks.*", "torchao-rowwise"))) == []
+
+
+def test_a_users_scaled_mm_is_accumulated_as_its_use_fast_accum_says(monkeypatch):
+    """Each scaled GEMM of the model's own code is measured as an H100 accumulates it, the call's
+    use_fast_accum choosing the mode: the error equals the one computed from mmaemu's
+    torch._scaled_mm (the independent oracle) on the same call's operands."""
+    import warnings
+
+    import mmaemu
+
+    from precision_suite.numerics.accumulation import relative_error
+    from precision_suite.training.views import AS_RUN, module_view
+
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def keeping(a, b, scale_a, scale_b, **kwargs):
+        calls.append((a, b, scale_a, scale_b, bool(kwargs.get("use_fast_accum", False))))
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", keeping)
+    torch.manual_seed(0)
+    ds, _ = one_step(user_fp8.build(RunSpec()))
+    modes = ds["accumulation_mode"].sel(step=0, module="blocks.0.fc1")
+    assert [str(modes.sel(gemm=g).values) for g in ("fprop", "dgrad", "wgrad")] == \
+        ["hopper-fast", "hopper-promoted:128", "hopper-promoted:128"]
+    errors = module_view(ds)["accumulation_error"].sel(step=0, module="blocks.0.fc1", accumulation=AS_RUN)
+    # blocks.0.fc1's forward GEMM is the model's first call (fast), its weight-gradient GEMM the last
+    assert calls[0][4] and not calls[-1][4]
+    for gemm, (a, b, scale_a, scale_b, fast) in (("fprop", calls[0]), ("wgrad", calls[-1])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # splitk=1: the unsplit GEMM the model covers
+            c = mmaemu.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+        r = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
+        expected = relative_error(torch.stack([((c.double() - r) ** 2).sum(), (r * r).sum()]))
+        assert float(errors.sel(gemm=gemm)) == pytest.approx(expected, rel=1e-9)
+        assert expected > 0

@@ -287,9 +287,29 @@ def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
     recipe = get_recipe("fp8-hybrid-hopper")
     x, w = fp8_tensor((64, 2048), 4).abs(), fp8_tensor((16, 2048), 5).abs()  # same sign: a long sum
     a, b = (x, recipe.fprop.a.apply(x, None)), (w, recipe.fprop.b.apply(w, None))
-    errors = {mode: relative_error(gemm_error_sums(recipe, "fprop", a, b, Accumulation(mode)))
-              for mode in ("fp32", "hopper-fast", "hopper-promoted")}
+    modes = ("fp32", "hopper-fast", "hopper-promoted")
+    sums = gemm_error_sums(recipe, "fprop", a, b, [Accumulation(mode) for mode in modes])
+    errors = {mode: relative_error(s) for mode, s in zip(modes, sums)}
     assert 0 < errors["fp32"] < 2.0**-20 < errors["hopper-promoted"] < errors["hopper-fast"] < 2.0**-4
+    for mode, together in zip(modes, sums):  # measured together as each alone
+        [alone] = gemm_error_sums(recipe, "fprop", a, b, [Accumulation(mode)])
+        assert torch.equal(together, alone)
     nvfp4 = get_recipe("nvfp4")  # no FP8 elements: only float32 accumulation is defined
-    assert relative_error(gemm_error_sums(nvfp4, "fprop", (x, nvfp4.fprop.a.apply(x, None)),
-                                          (w, nvfp4.fprop.b.apply(w, None)), Accumulation())) < 2.0**-20
+    [fp32] = gemm_error_sums(nvfp4, "fprop", (x, nvfp4.fprop.a.apply(x, None)), (w, nvfp4.fprop.b.apply(w, None)),
+                             [Accumulation()])
+    assert relative_error(fp32) < 2.0**-20
+
+
+def test_gemm_error_sums_leave_out_what_the_hardware_cannot_run():
+    from precision_suite.numerics.accumulation import Accumulation
+    from precision_suite.training.recipes import gemm_error_sums, reduction_length
+
+    recipe = get_recipe("fp8-block-hopper")  # 1x128 and 128x128 scales change along K
+    x, w = fp8_tensor((64, 256), 6), fp8_tensor((128, 256), 7)
+    a, b = (x, recipe.fprop.a.apply(x, None)), (w, recipe.fprop.b.apply(w, None))
+    fast, promoted, every_256 = gemm_error_sums(recipe, "fprop", a, b, [Accumulation("hopper-fast"),
+                                                                        Accumulation("hopper-promoted", 128),
+                                                                        Accumulation("hopper-promoted", 256)])
+    assert fast is None and every_256 is None and promoted is not None
+    assert promoted[3] == 64 * 128  # every output of x W^T
+    assert reduction_length("fprop", a) == 256 and reduction_length("wgrad", a) == 64

@@ -49,11 +49,11 @@ against mmaemu (tests/test_accumulation.py).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from precision_suite.numerics import quantization
@@ -65,6 +65,8 @@ HOPPER_ELEMENTS = ("e4m3", "e5m2")
 GROUP = 32  # products aligned together by the tensor core
 FRACTION_BITS = 13  # kept below the group's largest exponent, and in the group's result
 PROMOTION_INTERVAL = 128  # N_C of DeepSeek-V3 and DeepGEMM; cuBLAS's slow-accumulation chunk
+LAW_KS = tuple(2**i for i in range(7, 14))  # K = 128 ... 8192: the reductions `error_law` measures
+LAW_DATA = ("same-sign", "mixed-sign")
 # From this many products per GEMM (M * N * K) the chain's two steps run as torch.compile'd
 # kernels, whatever a run decided for its quantizers (PRECISION_SUITE_COMPILE=0 still keeps them
 # eager): eagerly a product costs about 2 ns, compiled about 0.2 ns (one thread of a 2-core
@@ -411,15 +413,37 @@ def _constant_along(s: torch.Tensor, dim: int) -> bool:
     return s.shape[dim] == 1 or bool((s == s.narrow(dim, 0, 1)).all())
 
 
+def _first_of_chunks(s: torch.Tensor, dim: int, chunk: int) -> torch.Tensor:
+    """The scale at the start of each chunk of K (along `dim`)."""
+    k = s.shape[dim]
+    return s.narrow(dim, 0, 1) if k == 1 else s.index_select(dim, torch.arange(0, k, chunk, device=s.device))
+
+
+def _constant_within_chunks(s: torch.Tensor, dim: int, chunk: int) -> bool:
+    k = s.shape[dim]
+    return k == 1 or bool((s == _first_of_chunks(s, dim, chunk).repeat_interleave(chunk, dim).narrow(dim, 0, k)).all())
+
+
 def _chunk_scales(s: torch.Tensor, dim: int, chunk: int, name: str) -> torch.Tensor:
     """One scale per chunk of K (along `dim`), checked constant within each chunk."""
-    k = s.shape[dim]
-    first = s.narrow(dim, 0, 1) if k == 1 else s.index_select(dim, torch.arange(0, k, chunk, device=s.device))
-    if k > 1 and not bool((s == first.repeat_interleave(chunk, dim).narrow(dim, 0, k)).all()):
+    if not _constant_within_chunks(s, dim, chunk):
         raise ValueError(f"{name} changes within a promotion interval of {chunk} elements of K: a scale can only "
                          "be applied where a chain ends, so each interval must lie within one scale block along K "
                          "(e.g. 1x128 and 128x128 blocks with an interval of 128)")
-    return first
+    return _first_of_chunks(s, dim, chunk)
+
+
+def runs_on(scale_a: torch.Tensor | float, scale_b: torch.Tensor | float, accumulation: Accumulation) -> bool:
+    """Whether the hardware can accumulate a GEMM with these scales (broadcastable to its a (M, K)
+    and b (K, N), as `scaled_gemm` takes them) as `accumulation` says: fp32 and scales constant
+    along K always; scales that change along K only under hopper-promoted, each interval inside
+    one scale block (what `scaled_gemm` refuses otherwise)."""
+    s_a, s_b = torch.as_tensor(scale_a), torch.as_tensor(scale_b)
+    s_a, s_b = (s.reshape(1, 1) if s.dim() == 0 else s for s in (s_a, s_b))
+    if not accumulation.hopper or (_constant_along(s_a, 1) and _constant_along(s_b, 0)):
+        return True
+    return (accumulation.mode == "hopper-promoted" and _constant_within_chunks(s_a, 1, accumulation.interval)
+            and _constant_within_chunks(s_b, 0, accumulation.interval))
 
 
 def _fma32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -475,11 +499,20 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
 
 # ----------------------------------------------------------------------------- the error metric
 
+# The additive sums of the error metric, in this order: sum (C - R)^2, sum R^2 over the outputs
+# kept, the outputs left out (C or R not finite), and every output (kept or not).
+ERROR_FIELDS = ("err2", "ref2", "nonfinite", "outputs")
+# The modes every FP8 GEMM's error is also measured under, whatever it ran with: one chain over K
+# (cuBLAS's fast accumulation) and promotion every 128 (cuBLAS's split accumulator, DeepGEMM)
+WHAT_IF = (Accumulation("hopper-fast"), Accumulation("hopper-promoted", PROMOTION_INTERVAL))
+
+
 def accumulation_error_sums(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
                             scale_b: torch.Tensor | float, mode: str, chunk: int = PROMOTION_INTERVAL, *,
                             elements: tuple[str, str] | None = None) -> torch.Tensor:
     """How far `mode`'s GEMM lands from the exact product of the same quantized operands, as
-    additive sums: float64 [sum (C - R)^2, sum R^2, outputs left out].
+    additive sums: float64, one per ERROR_FIELDS [sum (C - R)^2, sum R^2, outputs left out,
+    outputs].
 
     C = scaled_gemm(a, b, scale_a, scale_b, mode, chunk); R = (a * scale_a) @ (b * scale_b) with
     every element times its scale, every product and every sum in float64 (the products are
@@ -487,16 +520,58 @@ def accumulation_error_sums(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     Outputs where C or R is not finite are left out of both sums and counted. Sums of several
     GEMMs (modules, steps) add; `relative_error` turns them into the metric.
     """
-    c = scaled_gemm(a, b, scale_a, scale_b, mode, chunk, elements=elements)
+    _check_mode(mode, chunk)
+    [sums] = error_sums_by_mode(a, b, scale_a, scale_b, [Accumulation(mode, chunk)], elements=elements)
+    if sums is None:  # what scaled_gemm says about these scales
+        scaled_gemm(a, b, scale_a, scale_b, mode, chunk, elements=elements)
+    return sums
+
+
+def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
+                       accumulations: Sequence[Accumulation], *, elements: tuple[str, str] | None = None,
+                       computed: Mapping[Accumulation, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+    """`accumulation_error_sums` of one GEMM under each of `accumulations`, each GEMM and the
+    float64 product R computed once; None for a mode the hardware cannot run with these scales
+    (`runs_on`). `computed`: `scaled_gemm` results already at hand (the GEMM as a run computed it),
+    used instead of computing them again."""
+    reference = None
+    results = dict(computed or {})
+    out: list[torch.Tensor | None] = []
+    for accumulation in accumulations:
+        if not runs_on(scale_a, scale_b, accumulation):
+            out.append(None)
+            continue
+        if accumulation not in results:
+            results[accumulation] = scaled_gemm(a, b, scale_a, scale_b, accumulation.mode, accumulation.interval,
+                                                elements=elements)
+        c = results[accumulation]
+        if reference is None:
+            reference = _float64_product(a, b, scale_a, scale_b, elements, accumulation.mode)
+        kept = c.isfinite() & reference.isfinite()
+        error = torch.where(kept, c.double() - reference, 0.0)
+        exact = torch.where(kept, reference, 0.0)
+        out.append(torch.stack([(error * error).sum(), (exact * exact).sum(), (~kept).sum().double(),
+                                torch.tensor(float(c.numel()), dtype=torch.float64, device=c.device)]))
+    return out
+
+
+def _float64_product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
+                     elements: tuple[str, str] | None, mode: str) -> torch.Tensor:
+    """R: every element times its scale, products and sums in float64."""
     a, b = (operand.values for operand in _operands(a, b, elements, mode))
     (m, k), n = a.shape, b.shape[1]
     scale_a = _scale(scale_a, (m, k), "scale_a", a.device).double()
     scale_b = _scale(scale_b, (k, n), "scale_b", a.device).double()
-    reference = (a.double() * scale_a) @ (b.double() * scale_b)
-    kept = c.isfinite() & reference.isfinite()
-    error = torch.where(kept, c.double() - reference, 0.0)
-    reference = torch.where(kept, reference, 0.0)
-    return torch.stack([(error * error).sum(), (reference * reference).sum(), (~kept).sum().double()])
+    return (a.double() * scale_a) @ (b.double() * scale_b)
+
+
+def relative_errors(sums: np.ndarray) -> np.ndarray:
+    """||C - R||_F / ||R||_F of sums laid out along the last axis as ERROR_FIELDS (pooled by
+    addition first): 0 where both sums are zero (an exact zero GEMM), inf where only R's is."""
+    sums = np.asarray(sums, dtype=np.float64)
+    err2, ref2 = sums[..., 0], sums[..., 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ref2 == 0, np.where(err2 == 0, 0.0, np.inf), np.sqrt(err2 / ref2))
 
 
 def relative_error(sums: torch.Tensor) -> float:
@@ -506,10 +581,36 @@ def relative_error(sums: torch.Tensor) -> float:
     that cancels) has an unbounded relative error that says nothing about the accumulator, while
     the ratio of norms weighs every output by its size and is defined whenever R is not all zero
     (0 for an exact zero GEMM, inf when only R is zero)."""
-    err2, ref2 = float(sums[0]), float(sums[1])
-    if ref2 == 0:
-        return 0.0 if err2 == 0 else math.inf
-    return math.sqrt(err2 / ref2)
+    return float(relative_errors(torch.as_tensor(sums, dtype=torch.float64).cpu().numpy()))
+
+
+def error_law(rows: int = 32, seed: int = 0, ks: Sequence[int] = LAW_KS,
+              modes: Sequence[str] = ACCUMULATION_MODES) -> list[dict[str, object]]:
+    """The error's law in K, measured: for each K and each kind of random E4M3 operands (per-tensor
+    amax scales), same-sign (|N(0, 1)| entries: every product adds, the sum grows like K) and
+    mixed-sign (N(0, 1): the sum grows like sqrt(K)), the `relative_error` of a (rows x K) @
+    (K x rows) GEMM under each mode (hopper-promoted every 128). Rows
+    {"K": k, "data": kind, mode: error, ...}. Expected (SCIENCE.md): hopper-fast grows with K,
+    hopper-promoted stays flat, fp32 stays near 2^-24."""
+    table = []
+    for k in ks:
+        gen = torch.Generator().manual_seed(seed + k)
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(k, rows, generator=gen)
+        for kind in LAW_DATA:
+            a, scale_a = _e4m3_tensorwise(x.abs() if kind == "same-sign" else x)
+            b, scale_b = _e4m3_tensorwise(w.abs() if kind == "same-sign" else w)
+            row: dict[str, object] = {"K": k, "data": kind}
+            for mode in modes:
+                row[mode] = relative_error(accumulation_error_sums(a, b, scale_a, scale_b, mode))
+            table.append(row)
+    return table
+
+
+def _e4m3_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 elements, their per-tensor scale) of x, quantized as the suite does."""
+    q = quantization.quantize(x, "e4m3", "tensor")
+    scale = q.scales.reshape(1, 1).float()
+    return split_dequantized(q.dequantized, scale, "e4m3").to(torch.float8_e4m3fn), scale
 
 
 # ----------------------------------------------------------------------------- quantized operands

@@ -167,6 +167,13 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "
            "live tensor under the operand's declared format and layout (for stochastic rounding: that are "
            "neither grid neighbour of the live value); nonzero means a stale or wrongly quantized operand"),
+    # log: a change of accumulation multiplies the error (fast against promoted grows like K / 128)
+    Metric("accumulation_error", "GEMM accumulation relative error", "1", "‖C − R‖_F / ‖R‖_F",
+           (0.0, float("inf")), "up", Space("log", 1e-2, 1e-2),
+           "||C - R||_F / ||R||_F of a GEMM accumulated as an H100's FP8 tensor cores do (C) against the float64 "
+           "product R of the same quantized operands, per GEMM (fprop, dgrad, wgrad) and accumulation: as it ran "
+           "(its recipe's mode, or the model's own use_fast_accum), and what hopper-fast and hopper-promoted:128 "
+           "would give"),
     Metric("loss", "training cross-entropy", "nats", "cross-entropy (nats)", (0.0, float("inf")), "up",
            Space("log", 1e-3, 1e-3), "training cross-entropy"),
     Metric("accuracy", "training top-1 accuracy", "1", "fraction correct", _FRACTION, None, None,

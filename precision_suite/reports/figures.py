@@ -1,7 +1,8 @@
 """The seed figures drawn from run datasets (SCIENCE.md): figure A, the attention norm, one panel
 per layer with a line per attention variant on a log y axis; figure B, a 2 x 3 grid of underflow
 (top) and distortion (bottom) for activations (1, 128), gradients (1, 128) and gradient transpose
-(128, 1), a line per layer, over tokens seen."""
+(128, 1), a line per layer, over tokens seen; and the accumulation error's law in K, with the runs'
+GEMMs on it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from precision_suite.reports.canvas import (
     save_figure,
     set_x_axis,
 )
+from precision_suite.training.views import AS_RUN, module_view
 from precision_suite.verdicts.rules import run_spec
 
 # figure B panels: (tensor coordinate, layout label, title as in the Ling 2.0 figure)
@@ -151,6 +153,62 @@ def plot_observed_quant_error(ds: xr.Dataset, path: str | os.PathLike | None = N
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def plot_accumulation_law(law: Sequence[Mapping[str, object]], datasets: Mapping[str, xr.Dataset] | None = None,
+                          path: str | os.PathLike | None = None) -> Figure:
+    """The accumulation error's law in K (SCIENCE.md): `law`, the rows of
+    `numerics.accumulation.error_law` ({"K", "data", mode: error}), a line per mode and kind of
+    data (solid same-sign, dashed mixed-sign) on log-log axes: hopper-fast rises with K,
+    hopper-promoted stays flat. `datasets`: runs whose GEMMs were measured (`accumulation_error`),
+    each GEMM as it ran drawn as a point at its K, in its mode's colour, at its median over the
+    sampled steps."""
+    if not law:
+        raise ValueError("plot_accumulation_law: `law` is empty; pass numerics.accumulation.error_law()")
+    modes = [key for key in law[0] if key not in ("K", "data")]
+    colours = dict(zip(modes, palette(len(modes))))
+    fig, axes = new_figure(1, 1, (7.0, 4.2))
+    ax = axes[0][0]
+    for kind, style in (("same-sign", "-"), ("mixed-sign", "--")):
+        rows = [row for row in law if row["data"] == kind]
+        for mode in modes:
+            ax.plot([row["K"] for row in rows], [row[mode] for row in rows], style, color=colours[mode], marker=".",
+                    label=f"{mode}, {kind} E4M3")
+    for ds in (datasets or {}).values():
+        for k, error, mode in _gemms_as_run(ds):
+            if mode in colours:
+                ax.plot(k, error, "x", color=colours[mode], markersize=6)
+    if datasets:
+        ax.plot([], [], "x", color="0.3", label="the runs' GEMMs as they ran (median over steps)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("K (products summed per output)")
+    ax.set_ylabel(METRICS["accumulation_error"].axis_label)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.set_title("GEMM accumulation error against float64 of the same FP8 operands")
+    handles, labels = ax.get_legend_handles_labels()  # two columns: seven long labels in a row overflow
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, frameon=False, fontsize=8)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _gemms_as_run(ds: xr.Dataset) -> list[tuple[int, float, str]]:
+    """(K, median accumulation error over the sampled steps, mode) of each GEMM of each module of
+    a run, as it ran (`views.AS_RUN`); GEMMs never measured are left out."""
+    if "accumulation_sums" not in ds.data_vars:
+        return []
+    errors = module_view(ds)["accumulation_error"].sel(accumulation=AS_RUN).transpose("step", "module", "gemm").values
+    k = ds["accumulation_k"].transpose("step", "module", "gemm").values.max(axis=0)
+    modes = ds["accumulation_mode"].transpose("step", "module", "gemm").values
+    points = []
+    for index in np.ndindex(k.shape):
+        measured = errors[(slice(None), *index)]
+        measured = measured[np.isfinite(measured) & (measured > 0)]
+        ran = [str(m) for m in modes[(slice(None), *index)] if str(m)]
+        if len(measured) and k[index] > 0 and ran:
+            points.append((int(k[index]), float(np.median(measured)), ran[-1].split("|")[0].split(":")[0]))
+    return points
 
 
 def _require_variables(ds: xr.Dataset, names: Sequence[str], what: str) -> None:

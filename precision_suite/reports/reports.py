@@ -30,8 +30,14 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import atomic_file, safe_filename
+from precision_suite.numerics.accumulation import error_law
 from precision_suite.reports.canvas import save_figure
-from precision_suite.reports.figures import plot_attention_norm, plot_observed_quant_error, plot_quant_error
+from precision_suite.reports.figures import (
+    plot_accumulation_law,
+    plot_attention_norm,
+    plot_observed_quant_error,
+    plot_quant_error,
+)
 from precision_suite.verdicts.alarm_statement import statement_lines
 from precision_suite.verdicts.findings import CHART_CHOICES, severity
 from precision_suite.verdicts.rules import run_spec
@@ -158,7 +164,8 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
 
 def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
     """The papers' two figures: figure A per (model, recipe), one line per attention variant, and
-    figure B once, of the run that best shows it (`_figure_b_case`)."""
+    figure B once, of the run that best shows it (`_figure_b_case`); where runs measured their
+    GEMMs' accumulation error, its law in K with their GEMMs on it."""
     groups: dict[tuple[str, str], dict[str, xr.Dataset]] = {}
     for case, ds in datasets.items():
         if "attention_norm" not in ds.data_vars:
@@ -173,6 +180,9 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
     if case is not None:
         drawn.append(_save(out, f"overview-{safe_filename(case)}-quant-error.png",
                            plot_quant_error(datasets[case])))
+    accumulating = {case: ds for case, ds in datasets.items() if "accumulation_sums" in ds.data_vars}
+    if accumulating:  # the law measured afresh (a few seconds), the runs' GEMMs drawn on it
+        drawn.append(_save(out, "overview-accumulation-law.png", plot_accumulation_law(error_law(), accumulating)))
     return drawn
 
 
@@ -392,7 +402,8 @@ def _html(summary: dict, out: Path) -> str:
     sections = [_case_html(out, i, case) for i, case in enumerate(summary["cases"])]
     overview = "".join(figure_html(out, rel) for rel in summary["overview_charts"])
     overview_section = (f"<section><h2>Overview: attention norm across variants (figure A), "
-                        f"quantization error per layer (figure B)</h2>{overview}</section>"
+                        f"quantization error per layer (figure B), accumulation error against K</h2>"
+                        f"{overview}</section>"
                         if overview else "")
     sensitivity = summary.get("sensitivity") or {}
     detectable = "".join(

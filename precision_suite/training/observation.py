@@ -137,6 +137,20 @@ class _GemmOperand:
     role: str | None = None
 
 
+@dataclass(frozen=True)
+class GemmCall:
+    """An observed scaled GEMM as the hardware executes it: a (M, K) @ b (K, N) low-precision data,
+    each with the scale that dequantizes it (data * scale: per tensor, row of a, column of b)."""
+
+    module: str
+    gemm: str  # fprop | dgrad | wgrad
+    a: Tensor
+    scale_a: Tensor
+    b: Tensor
+    scale_b: Tensor
+    fast_accumulation: bool | None  # the call's use_fast_accum, None where it does not say
+
+
 @dataclass
 class StepObservation:
     """What one sampled step observed (no tensor of the step is kept)."""
@@ -184,12 +198,14 @@ class Observation(TorchDispatchMode):
     module_now(): the innermost module running (the recorder's forward stack); in backward the
     autograd node's `MODULE_TAG` metadata names it (`tag_nodes`). live: module -> its linear
     tensors ("x", "weight", "dy") as the recorder saw them this step, the sources of last resort.
+    on_gemm: handed each observed scaled GEMM as executed (`GemmCall`), the tensors alive only
+    during the call.
     """
 
     def __init__(self, module_now: Callable[[], str], live: Mapping[str, Mapping[str, Tensor]],
-                 modules: Callable[[str], bool]) -> None:
+                 modules: Callable[[str], bool], on_gemm: Callable[[GemmCall], None] | None = None) -> None:
         super().__init__()
-        self.module_now, self.live, self.wanted = module_now, live, modules
+        self.module_now, self.live, self.wanted, self.on_gemm = module_now, live, modules, on_gemm
         self.operands: list[ObservedOperand] = []
         self.casts: list[Cast] = []
         self._scaled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> (op, source, factor)
@@ -271,6 +287,9 @@ class Observation(TorchDispatchMode):
         if not self.wanted(module):
             return
         gemm, swapped = self._which_gemm(module, backward, a, b)
+        if self.on_gemm is not None:
+            self.on_gemm(GemmCall(module, gemm, a.data, a.scaling.dequantized(torch.ones_like(a.scaling.factor)),
+                                  b.data, b.scaling.dequantized(torch.ones_like(b.scaling.factor)), fast))
         sides = (b, a) if swapped else (a, b)
         for side, operand in zip(("a", "b"), sides):
             executed_axis = 0 if (operand is b) else 1  # A (M, K) reduces over columns, B (K, N) over rows

@@ -39,7 +39,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from precision_suite.numerics.accumulation import (
     HOPPER_ELEMENTS,
     Accumulation,
     accumulation_error_sums,
+    error_sums_by_mode,
     full_scales,
     parse_accumulation,
     scaled_gemm,
@@ -465,6 +466,19 @@ def _observe(layer: nn.Module | None, recipe: Recipe, *operands: tuple[str, Tens
             observer(layer, where, live, consumed, recipe.operand(where))
 
 
+# (layer, recipe, GEMM name, (live, consumed) of a, of b, the GEMM's float32 result)
+GemmObserver = Callable[[nn.Module | None, Recipe, str, tuple[Tensor, Tensor], tuple[Tensor, Tensor], Tensor], None]
+_gemm_observers: list[GemmObserver] = []
+
+
+def add_gemm_observer(observer: GemmObserver) -> Callable[[], None]:
+    """Hand `observer` every GEMM QuantLinearFn emulates (a hopper accumulation) with the operands it
+    consumed and its result, until the returned function is called (the recorder's accumulation
+    error, on sampled steps)."""
+    _gemm_observers.append(observer)
+    return lambda: _gemm_observers.remove(observer)
+
+
 # Each GEMM's operands as stored, (M, K) and (K, N) as they are or transposed
 _TRANSPOSED = {"fprop": (False, True), "dgrad": (False, False), "wgrad": (True, False)}
 Consumed = tuple[Tensor, Tensor]  # (live tensor, what the GEMM consumed), as stored
@@ -480,15 +494,30 @@ def emulated_gemm(recipe: Recipe, gemm: str, a: Consumed, b: Consumed,
                            elements=_elements(recipe, gemm))
 
 
-def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulation: Accumulation) -> Tensor:
-    """`accumulation_error_sums` of GEMM `gemm` of `recipe` accumulated as `accumulation`: how far
-    it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands)."""
-    if not accumulation.hopper:
+def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulations: Sequence[Accumulation],
+                    computed: Mapping[Accumulation, Tensor] | None = None) -> list[Tensor | None]:
+    """`accumulation_error_sums` of GEMM `gemm` of `recipe` under each of `accumulations`: how far
+    it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands);
+    None for a hopper mode the hardware cannot run with the operands' scales (`runs_on`).
+    `computed`: results of the GEMM already at hand (`emulated_gemm`'s), not computed again."""
+    fp32 = Accumulation()
+    sums: dict[Accumulation, Tensor | None] = {}
+    if fp32 in accumulations:
         transpose_a, transpose_b = _TRANSPOSED[gemm]
-        return accumulation_error_sums(_orient(a[1].detach(), transpose_a), _orient(b[1].detach(), transpose_b),
-                                       1.0, 1.0, "fp32")
-    return accumulation_error_sums(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
-                                   elements=_elements(recipe, gemm))
+        sums[fp32] = accumulation_error_sums(_orient(a[1].detach(), transpose_a), _orient(b[1].detach(), transpose_b),
+                                             1.0, 1.0, "fp32")
+    hopper = list(dict.fromkeys(accumulation for accumulation in accumulations if accumulation.hopper))
+    if hopper:
+        with unobserved():  # the suite's emulation (its casts to FP8 codes), not the model's own quantization
+            measured = error_sums_by_mode(*_oriented_factors(recipe, gemm, a, b), hopper,
+                                          elements=_elements(recipe, gemm), computed=computed)
+        sums.update(zip(hopper, measured))
+    return [sums[accumulation if accumulation.hopper else fp32] for accumulation in accumulations]
+
+
+def reduction_length(gemm: str, a: Consumed) -> int:
+    """K of GEMM `gemm` ("fprop", "dgrad", "wgrad") from its operand a as stored: in, out or tokens."""
+    return a[1].shape[REDUCTION_AXIS[f"{gemm}.a"]]
 
 
 def _orient(x: Tensor, transpose: bool) -> Tensor:
@@ -502,6 +531,14 @@ def _oriented_factors(recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> tu
     transpose_a, transpose_b = _TRANSPOSED[gemm]
     return (_orient(elements_a, transpose_a), _orient(elements_b, transpose_b),
             _orient(scales_a, transpose_a), _orient(scales_b, transpose_b))
+
+
+def _emulated(layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> Tensor:
+    """`emulated_gemm` of a layer's GEMM, shown to the GEMM observers."""
+    out = emulated_gemm(recipe, gemm, a, b)
+    for observer in list(_gemm_observers):
+        observer(layer, recipe, gemm, a, b, out)
+    return out
 
 
 def _elements(recipe: Recipe, gemm: str) -> tuple[str, str]:
@@ -529,7 +566,7 @@ class QuantLinearFn(torch.autograd.Function):
         else:
             x_used, weight_used = x2d, weight
         if _emulates(recipe, "fprop"):
-            y = emulated_gemm(recipe, "fprop", (x2d, x_used), (weight, weight_used)).to(x_used.dtype)
+            y = _emulated(layer, recipe, "fprop", (x2d, x_used), (weight, weight_used)).to(x_used.dtype)
             y = y if bias is None else y + bias
         else:
             y = F.linear(x_used, weight_used, bias)
@@ -561,12 +598,12 @@ class QuantLinearFn(torch.autograd.Function):
             dy_dgrad = dy_wgrad = dy
             weight_dgrad, x_wgrad = weight, x2d
         if _emulates(recipe, "dgrad"):
-            grad_x = emulated_gemm(recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).to(dy.dtype)
+            grad_x = _emulated(ctx.layer, recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).to(dy.dtype)
         else:
             grad_x = dy_dgrad @ weight_dgrad
         grad_x = grad_x.reshape(ctx.x_shape)
         if _emulates(recipe, "wgrad"):
-            grad_weight = emulated_gemm(recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad)).to(dy.dtype)
+            grad_weight = _emulated(ctx.layer, recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad)).to(dy.dtype)
         else:
             grad_weight = dy_wgrad.t() @ x_wgrad
         grad_bias = dy.sum(dim=0) if ctx.has_bias else None

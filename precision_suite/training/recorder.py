@@ -24,6 +24,14 @@ format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, ope
 must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quantizes count nothing
 (``operand_numel`` 0).
 
+Accumulation error: on a sampled step, each GEMM that accumulates as an H100's FP8 tensor cores
+do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``recipes.add_gemm_observer``: its
+operands and its result) or a scaled GEMM of the model's own code (its ``use_fast_accum``
+selecting the mode), is measured
+against the float64 product of the same quantized operands, as it ran and under each mode of
+``accumulation.WHAT_IF`` (``accumulation_sums``, docs/runs.md). GEMMs that accumulate in float32
+record nothing, so runs without such GEMMs have none of these variables.
+
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
 for custom kernels; the built-in models have one) is handed phi(S) directly. Elsewhere, calls to
 ``F.scaled_dot_product_attention`` (causal or masked, grouped-query heads) are intercepted on
@@ -50,12 +58,21 @@ import xarray as xr
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from precision_suite.numerics.accumulation import (
+    ERROR_FIELDS,
+    HOPPER_ELEMENTS,
+    WHAT_IF,
+    Accumulation,
+    error_sums_by_mode,
+)
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
 from precision_suite.training.observation import (
     GEMMS,
+    GemmCall,
     Observation,
     StepObservation,
     describe_observation,
+    low_precision_format,
     sequence_number,
     tag_nodes,
     unobserved,
@@ -67,8 +84,24 @@ from precision_suite.training.probes import (
     get_scheme,
     operand_shapes,
 )
-from precision_suite.training.recipes import GEMM_OPERANDS, Operand, add_operand_observer, layer_recipe
-from precision_suite.training.views import ObservedSteps, OperandCounts, run_dataset
+from precision_suite.training.recipes import (
+    GEMM_OPERANDS,
+    Consumed,
+    Operand,
+    Recipe,
+    add_gemm_observer,
+    add_operand_observer,
+    gemm_error_sums,
+    layer_recipe,
+    reduction_length,
+)
+from precision_suite.training.views import (
+    ACCUMULATIONS,
+    AccumulationSteps,
+    ObservedSteps,
+    OperandCounts,
+    run_dataset,
+)
 
 WeightReader = Callable[[nn.Module], Tensor]
 
@@ -148,6 +181,8 @@ class Recorder:
         # per step, (module, operand) -> (mismatched elements, a 0-d tensor; elements compared)
         self._operands: list[dict[tuple[str, str], tuple[Tensor, int]]] = []
         self._declared: dict[str, dict[str, None]] = defaultdict(dict)  # operand -> its Operand.text()s
+        # per step, (module, gemm) -> its accumulation error (`_GemmErrors`)
+        self._accumulation: list[dict[tuple[str, str], _GemmErrors]] = []
         self._stack: list[tuple[str, int]] = []  # modules running now, each with its first autograd node
         self._observed: list[StepObservation] = []
         self._live: dict[str, dict[str, Tensor]] = {}  # module -> x, weight, dy of this step (observation)
@@ -172,8 +207,10 @@ class Recorder:
         attention: dict[str, list[float]] = defaultdict(list)
         intercepted: dict[str, list[float]] = defaultdict(list)
         operands: dict[tuple[str, str], tuple[Tensor, int]] = {}
-        self._attach(sums, attention, intercepted, operands)
-        observation = Observation(self._module_now, self._live, self._observed_module) if self.observe else None
+        accumulation: dict[tuple[str, str], _GemmErrors] = {}
+        self._attach(sums, attention, intercepted, operands, accumulation)
+        observation = Observation(self._module_now, self._live, self._observed_module,
+                                  functools.partial(self._observed_gemm, accumulation)) if self.observe else None
         try:
             with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext(), \
                     observation if observation is not None else nullcontext():
@@ -195,6 +232,7 @@ class Recorder:
         self._sums.append(sums)
         self._attention.append(dict(attention))
         self._operands.append(operands)
+        self._accumulation.append(accumulation)
 
     def record_attention(self, attention: Tensor, module: str | nn.Module | None = None) -> None:
         """Record phi(S) (..., N, N) of a custom kernel for ``module`` (default: the innermost
@@ -208,9 +246,16 @@ class Recorder:
         into[name].append(_attention_norm(attention))
         self.tokens = max(self.tokens, attention.shape[-1])
 
-    def _attach(self, sums: dict, attention: dict, intercepted: dict, operands: dict) -> None:
+    def _attach(self, sums: dict, attention: dict, intercepted: dict, operands: dict, accumulation: dict) -> None:
         self._current_attention = attention
-        self._stop_observing = add_operand_observer(functools.partial(self._check_operand, operands))
+        stop_operands = add_operand_observer(functools.partial(self._check_operand, operands))
+        stop_gemms = add_gemm_observer(functools.partial(self._emulated_gemm, accumulation))
+
+        def stop_observing() -> None:
+            stop_operands()
+            stop_gemms()
+
+        self._stop_observing = stop_observing
         for name, (module, read_weight) in self.gemms.items():
             self._handles.append(module.register_forward_hook(self._gemm_hook(name, read_weight, sums)))
             if self.observe:  # the sources the observation checks the module's own GEMM operands against
@@ -257,6 +302,33 @@ class Recorder:
         self._declared[where][operand.text()] = None
         mismatched, numel = into.get((name, where), (0, 0))  # a module called twice in a step: counts add
         into[name, where] = (mismatched + count, numel + consumed.numel())
+
+    def _emulated_gemm(self, into: dict, layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed,
+                       b: Consumed, out: Tensor) -> None:
+        """The accumulation error of a recipe's GEMM that ran as the H100 accumulates (`out`, its
+        result, is reused), and what the WHAT_IF modes would give on the same operands."""
+        name = self._gemm_names.get(id(layer))
+        if name is None:  # not a selected module
+            return
+        declared = getattr(recipe, gemm).accumulation
+        with _outside_capture():
+            errors = gemm_error_sums(recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out})
+        _add_errors(into, name, gemm, declared, reduction_length(gemm, a), errors)
+
+    def _observed_gemm(self, into: dict, call: GemmCall) -> None:
+        """The accumulation error of a scaled GEMM of the model's own code, as its use_fast_accum
+        says the H100 runs it: fast in one chain, else promoted every 128 (cuBLAS's split accumulator)."""
+        elements = (low_precision_format(call.a.dtype), low_precision_format(call.b.dtype))
+        scales = _gemm_scales(call)
+        if scales is None or not set(elements) <= set(HOPPER_ELEMENTS) or elements == ("e5m2", "e5m2"):
+            return  # no tensor-core model for it (fnuz elements, MX scales, E5M2 x E5M2)
+        as_run = None if call.fast_accumulation is None else \
+            Accumulation("hopper-fast" if call.fast_accumulation else "hopper-promoted")
+        with _outside_capture():
+            errors = error_sums_by_mode(call.a.detach(), call.b.detach(), *scales,
+                                        [as_run, *WHAT_IF] if as_run is not None else WHAT_IF)
+        errors = errors if as_run is not None else [None, *errors]
+        _add_errors(into, call.module, call.gemm, as_run, call.a.shape[1], errors)
 
     def _gemm_hook(self, name: str, read_weight: WeightReader, sums: dict) -> Callable:
         def add(role: str, tensor: Tensor) -> None:
@@ -326,7 +398,8 @@ class Recorder:
         # the measured GEMM modules, then modules whose own quantization was observed elsewhere
         observed_modules = [item.module for step in self._observed for item in step.operands]
         observed_modules += [module for step in self._observed for module in step.unconsumed]
-        modules = list(dict.fromkeys([*self.gemms, *observed_modules]))
+        accumulating = [module for step in self._accumulation for module, _ in step]
+        modules = list(dict.fromkeys([*self.gemms, *observed_modules, *accumulating]))
         where = {name: i for i, name in enumerate(modules)}
         roles = {role: i for i, role in enumerate(TENSOR_ROLES)}
         layouts = {label: i for i, label in enumerate(self.labels)}
@@ -344,8 +417,21 @@ class Recorder:
         observed = self._observed_steps(where) if observed_modules else None
         if observed is not None:
             attrs = {"quantized_by": describe_observation(self._observed, self.model), **attrs}
+        accumulation = self._accumulation_steps(where) if any(self._accumulation) else None
         return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs,
-                           operands=self._operand_counts(where), observed=observed)
+                           operands=self._operand_counts(where), observed=observed, accumulation=accumulation)
+
+    def _accumulation_steps(self, where: Mapping[str, int]) -> AccumulationSteps:
+        shape = (len(self.steps), len(where), len(GEMMS))
+        sums = np.zeros((*shape, len(ACCUMULATIONS), len(ERROR_FIELDS)))
+        modes = np.full(shape, "", dtype=object)
+        reductions = np.zeros(shape, dtype=np.int64)
+        gemm_index = {name: i for i, name in enumerate(GEMMS)}
+        for i, step in enumerate(self._accumulation):
+            for (module, gemm), errors in step.items():
+                cell = (i, where[module], gemm_index[gemm])
+                sums[cell], modes[cell], reductions[cell] = errors.sums, "|".join(errors.modes), errors.k
+        return AccumulationSteps(sums, modes, reductions)
 
     def _observed_steps(self, where: Mapping[str, int]) -> ObservedSteps:
         """The observations as arrays over (step, module, operand or GEMM)."""
@@ -394,6 +480,43 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+class _GemmErrors:
+    """The accumulation error of one module's GEMM on one step, its calls added: the modes it ran
+    with, its K (the largest) and per column of views.ACCUMULATIONS the ERROR_FIELDS sums."""
+
+    def __init__(self) -> None:
+        self.modes: dict[str, None] = {}
+        self.k = 0
+        self.sums = np.zeros((len(ACCUMULATIONS), len(ERROR_FIELDS)))
+
+
+def _add_errors(into: dict[tuple[str, str], _GemmErrors], module: str, gemm: str, as_run: Accumulation | None,
+                k: int, errors: Sequence[Tensor | None]) -> None:
+    """Add one GEMM call's sums (as it ran, then each WHAT_IF mode; None: not measured)."""
+    cell = into.setdefault((module, gemm), _GemmErrors())
+    if as_run is not None:
+        cell.modes[as_run.text()] = None
+    cell.k = max(cell.k, int(k))
+    for column, sums in enumerate(errors):
+        if sums is not None:
+            cell.sums[column] += sums.double().cpu().numpy()
+
+
+def _gemm_scales(call: GemmCall) -> tuple[Tensor, Tensor] | None:
+    """The call's scales as `scaled_gemm` takes them, or None where they are not one per tensor,
+    row of a or column of b, or not positive and finite (nothing the model covers)."""
+    (m, k), n = call.a.shape, call.b.shape[1]
+    scales = []
+    for scale, shape in ((call.scale_a, (m, k)), (call.scale_b, (k, n))):
+        scale = scale.detach().float()
+        scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
+        if scale.dim() != 2 or any(d not in (1, full) for d, full in zip(scale.shape, shape)) \
+                or not bool(((scale > 0) & scale.isfinite()).all()):
+            return None
+        scales.append(scale)
+    return scales[0], scales[1]
 
 
 def _joined(listed: str, text: str) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
+from precision_suite.numerics.accumulation import ERROR_FIELDS, WHAT_IF, relative_errors
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
 from precision_suite.training.observation import GEMMS
@@ -28,6 +29,12 @@ QUANT_WHERE = ("step", "layer", "tensor", "layout")
 OPERAND_VARIABLES = ("operand_mismatch", "operand_numel")  # per module already: the module view keeps them
 OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "observed_gemms", "observed_accumulation",
                       "observed_unconsumed")
+# the accumulation error's columns: the GEMM as it ran (its recipe's mode, or the flag of the
+# model's own scaled GEMM call), then what each mode of WHAT_IF would give on the same operands
+AS_RUN = "as-run"
+ACCUMULATIONS = (AS_RUN, *(accumulation.text() for accumulation in WHAT_IF))
+ACCUMULATION_VARIABLES = ("accumulation_mode", "accumulation_k")  # per module already: the module view keeps them
+_OUTPUTS = ERROR_FIELDS.index("outputs")
 
 
 class ObservedSteps(NamedTuple):
@@ -40,6 +47,14 @@ class ObservedSteps(NamedTuple):
     gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
     accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)
     unconsumed: np.ndarray  # (step, module) int64: elements cast to 8 bits that no observed GEMM took
+
+
+class AccumulationSteps(NamedTuple):
+    """The accumulation error of the FP8 GEMMs a run emulated or observed, over (step, module, gemm)."""
+
+    sums: np.ndarray  # (step, module, gemm, accumulation, accumulation_field) float64: ERROR_FIELDS sums
+    modes: np.ndarray  # (step, module, gemm) str: the mode the GEMM ran with, "" where none was recorded
+    reductions: np.ndarray  # (step, module, gemm) int64: K, the products summed per output (0: none)
 
 
 class OperandCounts(NamedTuple):
@@ -63,7 +78,8 @@ def layer_index(name: str) -> int:
 def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[str], sums: np.ndarray,
                 attention_modules: Sequence[str], attention_norms: np.ndarray,
                 first_labels: Sequence[str], case: str, attrs: Mapping[str, Any],
-                operands: OperandCounts | None = None, observed: ObservedSteps | None = None) -> xr.Dataset:
+                operands: OperandCounts | None = None, observed: ObservedSteps | None = None,
+                accumulation: AccumulationSteps | None = None) -> xr.Dataset:
     """The schema-3 dataset (docs/architecture.md).
 
     sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
@@ -71,6 +87,8 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
     first_labels: per tensor role, the layout label of the first scheme (its NaN/Inf count).
     operands: the consumed operands' counts (docs/runs.md), when recorded.
     observed: the model's own quantization, when any was observed (docs/runs.md).
+    accumulation: the accumulation error of the GEMMs accumulated as an H100 does, when any was
+      (docs/runs.md); runs whose GEMMs all accumulate in float32 have none of its variables.
     """
     module_layer = np.array([layer_index(m) for m in modules], dtype=np.int64)
     attention_layer = np.array([layer_index(m) for m in attention_modules], dtype=np.int64)
@@ -110,6 +128,11 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         data_vars.update(_observed_vars(observed))
         coords["gemm"] = np.array(GEMMS, dtype=object)
         coords.setdefault("operand", np.array(GEMM_OPERANDS, dtype=object))
+    if accumulation is not None:
+        data_vars.update(_accumulation_vars(accumulation))
+        coords["gemm"] = np.array(GEMMS, dtype=object)
+        coords["accumulation"] = np.array(ACCUMULATIONS, dtype=object)
+        coords["accumulation_field"] = np.array(ERROR_FIELDS, dtype=object)
     layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
     if layers:
         coords["layer"] = np.array(layers, dtype=np.int64)
@@ -118,6 +141,9 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         if observed is not None:
             observed_sums = np.stack([observed.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
             data_vars.update(_observed_metric_vars(observed_sums, "layer"))
+        if accumulation is not None:
+            pooled = np.stack([accumulation.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
+            data_vars["accumulation_error"] = _accumulation_error(pooled, "layer")
         if len(attention_modules):
             norms = np.stack([_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1)
             data_vars["attention_norm"] = (("step", "layer"), norms, METRICS["attention_norm"].attrs())
@@ -143,13 +169,18 @@ def module_view(ds: xr.Dataset) -> xr.Dataset:
             "attention_module_layer", errors="ignore")
         view = xr.merge([view, norms.to_dataset(name="attention_norm")], join="outer",
                         combine_attrs="override")
-    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES) if name in ds]
+    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES) if name in ds]
     if present:
         view = view.assign({name: ds[name].drop_vars("module_layer") for name in present})
     if "observed_sums" in ds:
         sums = ds["observed_sums"].transpose("step", "module", "operand", "sum_field").values
         view = view.assign({name: (dims, values, attrs) for name, (dims, values, attrs)
                             in _observed_metric_vars(sums, "module").items()})
+    if "accumulation_sums" in ds:
+        sums = ds["accumulation_sums"].transpose("step", "module", "gemm", "accumulation", "accumulation_field").values
+        dims, errors, attrs = _accumulation_error(sums, "module")
+        # as a DataArray on the run's modules: the attention norms' modules may have joined the view's
+        view = view.assign(accumulation_error=xr.DataArray(errors, {d: ds[d].values for d in dims}, dims, attrs=attrs))
     if "tokens" in ds.coords:
         view = view.assign_coords(tokens=("step", ds["tokens"].values))
     return view
@@ -203,6 +234,35 @@ def _observed_vars(observed: ObservedSteps) -> dict[str, Any]:
             "description": "casts whose GEMM the suite could not see (a kernel inside a compiled graph or an "
                            "extension), or that fed no GEMM"}),
     }
+
+
+def _accumulation_vars(accumulation: AccumulationSteps) -> dict[str, Any]:
+    per_gemm = ("step", "module", "gemm")
+    return {
+        "accumulation_sums": ((*per_gemm, "accumulation", "accumulation_field"), accumulation.sums, {
+            "long_name": "additive sums of the GEMM accumulation error per module", "units": "1",
+            "description": "float64 sums (accumulation_field) of each GEMM accumulated as an H100's FP8 tensor "
+                           "cores do (numerics/accumulation.py) against the float64 product of the same quantized "
+                           "operands: sum (C - R)^2 and sum R^2 over the finite outputs, outputs left out, outputs; "
+                           "a layer's error is its modules' sums added, then the ratio; 0 where not measured"}),
+        "accumulation_mode": (per_gemm, accumulation.modes, {
+            "long_name": "accumulation of the GEMM as it ran", "units": "1",
+            "description": "hopper-fast or hopper-promoted:N: the recipe's accumulate, or the use_fast_accum flag "
+                           "of the model's own scaled GEMM (fast: hopper-fast, else hopper-promoted:128, cuBLAS's "
+                           "split accumulator); several joined by |; empty where no FP8 GEMM accumulated so"}),
+        "accumulation_k": (per_gemm, accumulation.reductions, {
+            "long_name": "GEMM reduction length K", "units": "1",
+            "description": "products summed per output of the GEMM (fprop: in features, dgrad: out features, "
+                           "wgrad: tokens); the largest where a module ran it with several; 0 where not measured"}),
+    }
+
+
+def _accumulation_error(sums: np.ndarray, where: str) -> tuple[tuple[str, ...], np.ndarray, dict[str, object]]:
+    """accumulation_error over (step, <where>, gemm, accumulation) from sums of that shape (+ field):
+    the ratio of the pooled sums, NaN where nothing was measured."""
+    with np.errstate(invalid="ignore"):
+        errors = np.where(sums[..., _OUTPUTS] > 0, relative_errors(sums), np.nan)
+    return ("step", where, "gemm", "accumulation"), errors, METRICS["accumulation_error"].attrs()
 
 
 def _observed_metric_vars(sums: np.ndarray, where: str) -> dict[str, Any]:
