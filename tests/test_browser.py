@@ -57,6 +57,9 @@ document.getElementById("report").addEventListener("load", function () {{
   out.push("first-screen verdict " + onFirstScreen(doc.querySelector("h1")));
   out.push("first-screen chart " + onFirstScreen(section && section.querySelector("img")));
   out.push("first-screen worst " + onFirstScreen(section && section.querySelector(".worst li")));
+  Array.prototype.forEach.call(doc.querySelectorAll("p.context"), function (p) {{
+    out.push("context " + onFirstScreen(p) + " " + p.textContent);
+  }});
   var pre = document.createElement("pre");
   pre.id = "measured";
   pre.textContent = out.join("\\n");
@@ -66,7 +69,7 @@ document.getElementById("report").addEventListener("load", function () {{
 """
 
 
-def _chromium() -> str:
+def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
         message = f"headless Chromium is not installed; {INSTALL_HINT}"
@@ -80,10 +83,10 @@ def test_a_missing_browser_says_how_to_install_it_and_fails_where_required(monke
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv(REQUIRE_ENV, raising=False)
     with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
-        _chromium()
+        chromium()
     monkeypatch.setenv(REQUIRE_ENV, "1")
     with pytest.raises(pytest.fail.Exception, match=f"apt-get install chromium.*{REQUIRE_ENV}=1"):
-        _chromium()
+        chromium()
 
 
 def _run_chromium(browser: str, profile: Path, *args: str) -> str:
@@ -166,7 +169,7 @@ def rendered(browser: str, report: Path, profiles: Path) -> list[str]:
 
 
 def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_screen(tmp_path):
-    browser = _chromium()
+    browser = chromium()
     report = _failing_report(tmp_path)
     index = report / "index.html"
     measured = rendered(browser, report, tmp_path)
@@ -189,7 +192,7 @@ def test_failing_report_renders_with_every_image_and_link_and_a_readable_first_s
 
 def test_history_report_loads_every_image_and_resolves_every_link(tmp_path):
     """`history report` of a store built from the committed baselines, one series planted."""
-    browser = _chromium()
+    browser = chromium()
     store = tmp_path / "store"
     history_store(store, Path(__file__).parents[1] / "baselines", ["gpt-softmax-fp8-block", "vit-softmax-fp32"], 12,
                   plant=("gpt-softmax-fp8-block", "underflow", dict(layer=5, tensor="gradient", layout="1x128"),

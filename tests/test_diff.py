@@ -7,6 +7,7 @@ weights) switches it on as the run does."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from precision_suite import cli
 from precision_suite.jobs import two_commits
 from precision_suite.jobs.two_commits import Measurement
 from precision_suite.verdicts.differences import Difference
+from test_browser import chromium, rendered
 
 MODEL = '''"""A user's model: one attention block (F.scaled_dot_product_attention) and an MLP."""
 import torch
@@ -146,7 +148,7 @@ def interpreters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
 
 
 def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, capsys, interpreters):
-    repo, _ = toy_repo
+    repo, shas = toy_repo
     report = tmp_path / "report"
     assert cli.main(["diff", "c4", "c5", *CONFIG, "--report-dir", str(report)]) == 1
     out = capsys.readouterr().out
@@ -169,6 +171,13 @@ def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, 
     # the change shows in the clean replay: its chart draws HEAD's replay against BASE's
     assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift-replay.png"))
     assert len(worktrees(repo)) == 1  # the temporary worktrees are gone
+    # the report's first screen, as Chromium shows it, names both commits and what judged them
+    context = [line.split(" ", 2)[1:] for line in rendered(chromium(), report, tmp_path) if line.startswith("context ")]
+    assert all(where == "yes" for where, _ in context), context
+    named = next(text for _, text in context)
+    assert named == f"HEAD {shas[5][:7]} (toy: shrink half the hidden features from step 2) against " \
+                    f"BASE {shas[4][:7]} (README: the config)", context
+    assert any(text.startswith("judged beyond noise: ") for _, text in context), context
 
 
 def test_diff_without_a_numeric_change_is_bitwise_identical(toy_repo, tmp_path, capsys, interpreters):
@@ -295,3 +304,60 @@ def test_first_differences_finds_the_first_step_and_the_largest_cell():
         "underflow", 2, {"layer": 1, "layout": "1x128"}, 0.5, 2)
     assert (loss.metric, loss.step, loss.where) == ("loss", 3, {})
     assert first_differences(base, base.copy(deep=True)) == []
+
+
+OWN_CASES = '''[recipes.mine]
+source = "the project's own recipe"
+fprop = { a = "e4m3:1x128", b = "e4m3:128x128" }
+dgrad = { a = "e5m2:1x128", b = "e4m3:128x128" }
+wgrad = { a = "e5m2:128x1", b = "e4m3:128x1" }
+
+[[case]]
+model = "toy.model:build"
+batches = "toy.model:batch"
+recipe = "mine"
+steps = 2
+sample_every = 1
+width = 32
+'''
+SCALE = "scale = torch.clamp(_quotient(amax, element.max), min=TINY_SCALE)"
+
+
+def test_each_side_measures_with_its_own_commits_recipe_tables_and_suite(tmp_path, monkeypatch, capsys):
+    """A repository that holds precision_suite itself (as precision-suite's own does): a change of a
+    `[recipes.NAME]` table in the config, and a change of the suite's quantizer (every amax scale
+    x4, so FP8 blocks underflow), each shows in `diff` across its commit, and the output says
+    which code each side ran."""
+    repo = tmp_path / "own-suite"
+    repo.mkdir()
+    git(repo, "-c", "init.defaultBranch=main", "init", "-q")
+    for key, value in (("user.name", "Tester"), ("user.email", "t@example.com"), ("commit.gpgsign", "false")):
+        git(repo, "config", key, value)
+    shutil.copytree(Path(two_commits.__file__).resolve().parents[1], repo / "precision_suite",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "toy").mkdir()
+    (repo / "toy" / "__init__.py").write_text("")
+    (repo / "toy" / "model.py").write_text(MODEL)
+    (repo / "cases.toml").write_text(OWN_CASES)
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    quantization = repo / "precision_suite" / "numerics" / "quantization.py"
+    for subject, change in (
+            ("the project's recipe, the suite in the repository", lambda: None),
+            ("recipe: e4m3 weight gradients' activations", lambda: (repo / "cases.toml").write_text(
+                OWN_CASES.replace('wgrad = { a = "e5m2:128x1"', 'wgrad = { a = "e4m3:128x1"'))),
+            ("quantization: every amax scale x4", lambda: quantization.write_text(
+                quantization.read_text().replace(SCALE, SCALE.replace("min=TINY_SCALE)", "min=TINY_SCALE) * 4")))),
+            ("README", lambda: (repo / "README.md").write_text("# the project\n"))):
+        change()
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", subject)
+    monkeypatch.chdir(repo)
+    config = ["--config", "cases.toml", "--workers", "1", "--charts", "none", "--strict"]
+    for base, head in (("HEAD~3", "HEAD~2"), ("HEAD~2", "HEAD~1")):  # the recipe table, then the suite
+        assert cli.main(["diff", base, head, *config, "--report-dir", str(tmp_path / head)]) == 1
+        out = capsys.readouterr().out
+        assert "numerics changed: toy.model-build-" in out and "bitwise identical" not in out, out
+        assert f"BASE {git(repo, 'rev-parse', '--short=7', base)}: the project's code, its config's recipe " \
+               "tables and precision-suite from the commit (the repository holds it)" in out, out
+    assert cli.main(["diff", "HEAD~1", "HEAD", *config, "--report-dir", str(tmp_path / "readme")]) == 0
+    assert "bitwise identical" in capsys.readouterr().out

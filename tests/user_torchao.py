@@ -2,7 +2,9 @@
 strings in tests (``user_torchao:build``). Nothing from precision_suite. Which torchao recipe and
 whether the head is converted are read from the environment when the model is built
 (``USER_TORCHAO_RECIPE``: tensorwise, rowwise, rowwise_with_gw_hp; ``USER_TORCHAO_HEAD=hp`` keeps
-the head out of float8), as a team's config would set them.
+the head out of float8), as a team's config would set them; so are two changes of model code
+(``USER_TORCHAO_RESIDUAL``: the MLP branch's weight in the residual; ``USER_TORCHAO_ATTENTION_SCALE``:
+``1/sqrt(d)``, SDPA's default, or ``1/d``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.fc1 = nn.Linear(width, 2 * width)
         self.fc2 = nn.Linear(2 * width, width)
+        self.residual = float(os.environ.get("USER_TORCHAO_RESIDUAL", "1"))
 
     def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return x + self.residual * self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 class MLPModel(nn.Module):
@@ -36,10 +39,12 @@ class MLPModel(nn.Module):
         self.embed = nn.Embedding(VOCAB, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, VOCAB)
+        # None: SDPA's default 1/sqrt(d)
+        self.attention_scale = 1 / width if os.environ.get("USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)") == "1/d" else None
 
     def forward(self, idx):
         x = self.embed(idx).unsqueeze(1)  # one head
-        x = F.scaled_dot_product_attention(x, x, x, is_causal=True).squeeze(1)
+        x = F.scaled_dot_product_attention(x, x, x, is_causal=True, scale=self.attention_scale).squeeze(1)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
