@@ -2,7 +2,9 @@
 QuantLinearFn consumes is compared with a fresh quantization of the live tensor it came from
 (`operand_mismatch`), and any nonzero count fails the case. Unchanged code records zero for every
 recipe; planted recipe bugs (a stale weight cache, a transposed block axis, a wrong format) are
-caught with the module, operand and step named, each plant shown to change what the GEMMs consumed."""
+caught with the module, operand and step named, each plant shown to change what the GEMMs consumed.
+What is compared is what the GEMMs' matrix products received, not what the quantizer returned: a
+GEMM fed another tensor is caught too."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from precision_suite.training.views import module_view
 from precision_suite.verdicts.judge import judge_case
 from precision_suite.verdicts.operand_invariant import check_operands
 from precision_suite.verdicts.rules import check_rules
+from test_teeth import wgrad_of_the_unquantized_activation
 
 BLOCK_MODULES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]
 # every way an operand is declared: fp32 kept, bf16 cast, stochastic e5m2, a Hadamard-rotated wgrad
@@ -258,3 +261,70 @@ def test_a_wrong_format_is_caught_on_exactly_the_operands_it_hits(monkeypatch):
     changed_training(ds, clean, from_step=0)
     findings = caught(ds, ["fprop.a", "fprop.b", "dgrad.b", "wgrad.b"], first_step=0)
     assert all("differ from a fresh e4m3 tensor quantization" in f.message for f in findings)
+
+
+def test_a_wgrad_fed_the_unquantized_activation_is_caught_at_step_0(monkeypatch):
+    clean = clean_run("fp8-block")
+    wgrad_of_the_unquantized_activation(monkeypatch)
+    ds = small_run("fp8-block")
+    changed_training(ds, clean, from_step=1)  # the weight gradient: the loss after the first update
+    findings = caught(ds, ["wgrad.b"], first_step=0)
+    assert all("differ from a fresh e4m3 128x1 quantization of the live tensor" in f.message for f in findings)
+
+
+def one_layer_mismatches(recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """(mismatched, live elements) per operand reported by one forward and backward of a layer."""
+    torch.manual_seed(0)
+    layer = QuantLinear(256, 128)
+    set_recipe(layer, recipe)
+    counts: dict[str, tuple[int, int]] = {}
+
+    def count(_, where, live, consumed, operand):
+        mismatched, numel = counts.get(where, (0, 0))
+        counts[where] = (mismatched + int(operand.mismatches(live, consumed)), numel + live.numel())
+
+    stop = add_operand_observer(count)
+    try:
+        layer(seeded(2, 64, 256, seed=1)).backward(seeded(2, 64, 128, seed=2))
+    finally:
+        stop()
+    return counts
+
+
+def planted_wgrad(monkeypatch, compute) -> None:
+    """The wgrad GEMM computes `compute(layer, recipe, a, b, product)` (`product`: the unplanted one)."""
+    product = recipes._product
+    monkeypatch.setattr(recipes, "_product", lambda layer, recipe, gemm, a, b, bias=None: (
+        compute(layer, recipe, a, b, product) if gemm == "wgrad" else product(layer, recipe, gemm, a, b, bias)))
+
+
+def stochastic_x(layer, recipe, a, b, product):
+    """x rounded stochastically though round-to-nearest is declared: on the declared grid and scales."""
+    x_rows, _ = b
+    drawn = dataclasses.replace(recipe.wgrad.b, rounding="stochastic").apply(x_rows, torch.Generator().manual_seed(5))
+    return product(layer, recipe, "wgrad", a, (x_rows, drawn))
+
+
+def elementwise(layer, recipe, a, b, product):
+    """The product summed elementwise: no matrix product for the check to see."""
+    (_, dy_wgrad), (_, x_wgrad) = a, b
+    return (dy_wgrad[:, :, None] * x_wgrad[:, None, :]).sum(0)
+
+
+@pytest.mark.parametrize(("recipe", "compute", "mismatched"), [
+    ("fp8-block", lambda layer, recipe, a, b, product: a[1].t() @ b[0], ["wgrad.b"]),
+    ("fp8-block-hopper", lambda layer, recipe, a, b, product: a[1].t() @ b[0], ["wgrad.b"]),  # bypasses the emulation
+    ("fp8-block-hopper", stochastic_x, ["wgrad.b"]),  # what the emulated GEMM received
+    ("fp8-block", elementwise, ["wgrad.a", "wgrad.b"]),
+], ids=["torch product", "emulation bypassed", "emulated", "no matrix product"])
+def test_the_check_compares_what_each_gemm_received_not_what_the_quantizer_returned(recipe, compute, mismatched,
+                                                                                   monkeypatch):
+    declared = get_recipe(recipe)
+    clean = one_layer_mismatches(declared)
+    assert list(clean) == list(GEMM_OPERANDS) and all(count == 0 for count, _ in clean.values())
+    planted_wgrad(monkeypatch, compute)
+    planted = one_layer_mismatches(declared)
+    assert {where for where, (count, _) in planted.items() if count} == set(mismatched)
+    assert all(numel == clean[where][1] for where, (_, numel) in planted.items())
+    if compute is elementwise:  # nothing seen: every element counts
+        assert all(planted[where][0] == planted[where][1] for where in mismatched)

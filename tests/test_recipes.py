@@ -12,9 +12,13 @@ import torch
 
 from precision_suite import cli
 from precision_suite.jobs.selection import config_specs
-from precision_suite.numerics.formats import get_format
+from precision_suite.numerics.accumulation import full_scales
+from precision_suite.numerics.formats import FORMATS, get_format
 from precision_suite.numerics.quantization import quantize, stochastic_round
+from precision_suite.training import recipes
+from precision_suite.training.probes import get_scheme
 from precision_suite.training.recipes import (
+    HIGH_PRECISION,
     NAMED_RECIPES,
     RECIPES_ENV,
     Gemm,
@@ -26,7 +30,7 @@ from precision_suite.training.recipes import (
     recipes_from_toml,
     set_recipe,
 )
-from precision_suite.training.runs import RunSpec, run
+from precision_suite.training.runs import RunSpec, Trainer, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}
 
@@ -164,6 +168,68 @@ def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
         config_specs(config)
 
 
+# --------------------------------------------------------------------------- the contraction law
+
+# Each GEMM of y = x W^T over its operands as stored (x, dy: tokens by features; W: out by in):
+# the letter summed over is K
+GEMM_SUMS = {"fprop": "ik,jk->ij", "dgrad": "ik,kj->ij", "wgrad": "ki,kj->ij"}
+SCHEME_RECIPES = ["fp8-block", *FORMATS, *(f"{fmt}:{layout}" for fmt, f in FORMATS.items()
+                                           if f.scale_rule == "amax" for layout in ("tensor", "row", "128x128"))]
+
+
+def contraction_axis(where: str) -> int:
+    gemm, side = where.split(".")
+    return GEMM_SUMS[gemm].split("->")[0].split(",")["ab".index(side)].index("k")
+
+
+def shortest_scale_run(operand: Operand, shape: tuple[int, int], axis: int) -> int:
+    """The fewest consecutive elements along `axis` that share one scale of `operand`'s quantization
+    of a random tensor (random blocks have distinct amaxes, so a scale changes where a block ends)."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(*shape, generator=generator) * torch.rand(*shape, generator=generator).exp2()
+    quantized = quantize(x, operand.fmt, operand.layout)
+    lines = full_scales(quantized.scales, operand.layout, *shape).expand(*shape).movedim(axis, 1)
+    run_of = torch.cat([torch.zeros(len(lines), 1, dtype=torch.long), (lines[:, 1:] != lines[:, :-1]).long()], 1)
+    run_of = run_of.cumsum(1) + torch.arange(len(lines))[:, None] * lines.shape[1]  # one id per run
+    return int(torch.unique(run_of, return_counts=True)[1].min())
+
+
+@pytest.mark.parametrize("recipe", [*NAMED_RECIPES.values(), *(Recipe.from_scheme(get_scheme(n)) for n in SCHEME_RECIPES)],
+                         ids=[*NAMED_RECIPES, *(f"scheme {n}" for n in SCHEME_RECIPES)])
+def test_every_scale_is_shared_by_consecutive_products_of_its_gemms_dot_products(recipe):
+    """A block scale can be factored out of a partial sum of a dot product only where the block
+    lies along K: every scale must cover at least two consecutive elements of K."""
+    for where, operand, shape in recipe.operands(in_features=128, out_features=192, tokens=128):
+        if operand.fmt == HIGH_PRECISION or get_format(operand.fmt).scale_rule == "none":
+            continue
+        assert shortest_scale_run(operand, shape, contraction_axis(where)) >= 2, (where, operand.text())
+
+
+def test_a_recipe_whose_wgrad_blocks_lie_across_the_tokens_is_refused_naming_wgrad(monkeypatch):
+    """The planted bug: the backward GEMMs keep the forward layouts (1x128 tiles of dy and x), so
+    wgrad, which sums over tokens, would change both operands' scales at every token."""
+    monkeypatch.setattr(recipes, "transpose_layout", lambda layout: layout)
+    assert shortest_scale_run(Operand("e4m3", (1, 128)), (128, 192), contraction_axis("wgrad.b")) == 1  # breaks the law
+    with pytest.raises(ValueError, match=r"recipe 'fp8-block' wgrad: operand a e4m3:1x128 of dy \(tokens, out\) has "
+                                         r"scaling blocks one element long along axis 0, the GEMM's contraction axis "
+                                         r"\(wgrad sums over tokens\).*such as e4m3:128x1"):
+        Recipe.from_scheme(get_scheme("fp8-block"))
+
+
+def test_a_users_table_that_breaks_the_law_is_a_one_line_usage_error_before_any_training(tmp_path, capsys,
+                                                                                      monkeypatch):
+    monkeypatch.delenv(RECIPES_ENV, raising=False)
+    monkeypatch.setattr(Trainer, "__init__", lambda *args, **kwargs: pytest.fail("trained a refused recipe"))
+    config = tmp_path / "cases.toml"
+    config.write_text('[recipes.tiles]\nfprop = { a = "e4m3:1x128", b = "e4m3:128x128" }\n'
+                      'dgrad = { a = "e5m2:1x128", b = "e4m3:128x128" }\nwgrad = { a = "e5m2:1x128", b = "e4m3:128x1" }\n'
+                      '[[case]]\nmodel = "gpt"\nrecipe = "tiles"\n')
+    assert cli.main(["run", "--config", str(config), "--report-dir", str(tmp_path / "report")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"{config}: [recipes.tiles]: recipe 'tiles' wgrad: operand a e5m2:1x128" in error
+    assert "such as e5m2:128x1" in error
+
+
 # --------------------------------------------------------------------------- accumulation per GEMM
 
 
@@ -208,7 +274,7 @@ def test_toml_declares_the_accumulation_and_it_reaches_workers(monkeypatch):
     ({"a": "e4m3:1x128", "b": "e4m3:tensor", "accumulate": "hopper-fast"}, r"scales that change along K"),
     ({"a": "e4m3:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:256"},
      r"promotes every 256 elements of K, but operand a e4m3:1x128 changes its scale every 128"),
-    ({"a": "e4m3:128x1", "b": "e4m3:tensor", "accumulate": "hopper-promoted"}, r"changes its scale every 1\b"),
+    ({"a": "e4m3:1x64", "b": "e4m3:tensor", "accumulate": "hopper-promoted"}, r"changes its scale every 64\b"),
 ])
 def test_accumulations_the_operands_cannot_take_are_refused_naming_recipe_and_gemm(gemm, message):
     with pytest.raises(ValueError, match=r"cases.toml: \[recipes.mine\].*" + message):

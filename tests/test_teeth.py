@@ -3,7 +3,9 @@ with a chart of the case, while the unplanted code passes against the same basel
 
 Each plant is a bug that has shipped in real low-precision stacks: a block scale computed with the
 wrong format maximum (flushes small values to zero), truncation instead of round-to-nearest, and
-attention scores missing their 1/sqrt(d_head). The late plants start after step 0, where only the
+attention scores missing their 1/sqrt(d_head); and a weight-gradient GEMM fed the activation it
+saved rather than the operand the recipe quantized (only the consumed-operand check, which looks
+at the GEMM's own arguments, sees it at step 0). The late plants start after step 0, where only the
 replays from stored states (training.replays) compare deterministically: a scale error switched
 on at a trained step, and a quantized weight reused after the optimizer changed the weight.
 """
@@ -112,6 +114,20 @@ def stale_quantized_weight(monkeypatch):
     monkeypatch.setattr(recipes.Operand, "apply", apply)
 
 
+def wgrad_of_the_unquantized_activation(monkeypatch):
+    """The weight-gradient GEMM multiplies x as it came (dy_wgrad^T x_rows), while the quantizer
+    quantized x and returned it: a GEMM fed another tensor than the operand it reports."""
+    original = recipes._product
+
+    def product(layer, recipe, gemm, a, b, bias=None):
+        if gemm != "wgrad":
+            return original(layer, recipe, gemm, a, b, bias)
+        (_, dy_wgrad), (x_rows, _) = a, b
+        return dy_wgrad.t() @ x_rows
+
+    monkeypatch.setattr(recipes, "_product", product)
+
+
 LATE_PLANTS = {
     # plant: (case it breaks); each must fail there through its replay
     wrong_scale_from_a_trained_step: "gpt-softmax-fp8-block",
@@ -125,6 +141,7 @@ PLANTS = {
     scale_four_times_too_large: ("gpt-softmax-fp8-block", {"underflow", "zeros_after"}),
     truncating_rounding: ("gpt-softmax-fp8-block", {"distortion", "sqnr_db"}),
     missing_score_scaling: ("vit-x-1-fp32", {"attention_norm"}),
+    wgrad_of_the_unquantized_activation: ("gpt-softmax-fp8-block", {"operand_mismatch"}),
 }
 
 

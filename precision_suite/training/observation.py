@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,8 @@ _SOURCE_SLACK = 2.0**-22
 _CASTS = {aten._to_copy.default}
 _SCALINGS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div"}
 _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default}
-_SUBCLASS_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+# the matrix products torch's matmul, `@`, F.linear and einsum reach below autograd
+_MATRIX_PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class Observation(TorchDispatchMode):
                 self._clamped[out] = args[0]
         elif func is aten._scaled_mm.default:
             self._scaled_mm(*args, **kwargs)
-        elif func in _SUBCLASS_GEMMS:
+        elif func in _MATRIX_PRODUCTS:
             self._subclass_gemm(func, args)
         return out
 
@@ -468,16 +469,40 @@ def sequence_number() -> int:
     return torch._C._autograd._get_sequence_nr()
 
 
+class GemmArguments(TorchDispatchMode):
+    """The operands every matrix product run inside it received, as executed: (a (M, K), b (K, N))
+    pairs in `calls` (aten.mm, addmm, and bmm of one matrix: what `@`, torch.matmul, F.linear and
+    einsum reach below autograd, whichever tensors the code hands them). A GEMM computed some other
+    way (the suite's emulation, under `unobserved`) hands its operands with `gemm_received`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Tensor, Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _MATRIX_PRODUCTS:  # mm(a, b), addmm(bias, a, b), bmm(a, b)
+            a, b = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in args[-2:])
+            self.calls.append((a, b))
+        return func(*args, **(kwargs or {}))
+
+
+def gemm_received(a: Tensor, b: Tensor) -> None:
+    """Count a (M, K) @ b (K, N) as a call of the innermost active `GemmArguments` (none: nothing)."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, GemmArguments):
+            mode.calls.append((a, b))
+            return
+
+
 @contextmanager
 def unobserved() -> Iterator[None]:
-    """Run the suite's own tensor code (its quantizers, probes and checks) without being observed:
-    the observation mode is popped while it runs, so its casts are not the model's and compiled
-    quantizers see the same empty mode stack as on any other call."""
-    stack = _get_current_dispatch_mode_stack()
-    if not stack or not isinstance(stack[-1], Observation):
-        yield
-        return
-    with _pop_mode_temporarily():
+    """Run the suite's own tensor code (its quantizers, probes, checks and GEMM emulation) without
+    being observed: the observation mode and argument captures are popped while it runs, so its
+    casts and products are not the model's and compiled code sees the same empty mode stack as on
+    any other call."""
+    with ExitStack() as popped:
+        while (stack := _get_current_dispatch_mode_stack()) and isinstance(stack[-1], (Observation, GemmArguments)):
+            popped.enter_context(_pop_mode_temporarily())
         yield
 
 

@@ -15,9 +15,15 @@ rounding draws from a generator seeded per layer (``set_recipe``): runs stay det
 ``QuantLinearFn`` runs the three GEMMs of a linear layer with a recipe's operands; ``set_recipe``
 puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models; every
 ``nn.Linear`` of a user's model, without editing it). While an observer is installed
-(``add_operand_observer``: the recorder's, on sampled steps) it hands each operand it consumed
-to it beside the live tensor it came from, and ``Operand.mismatches`` counts the consumed elements
-that a fresh quantization of the live tensor cannot produce (a stale cache, a wrong axis or format).
+(``add_operand_observer``: the recorder's, on sampled steps) it hands it each operand its GEMMs
+received, beside the live tensor it came from: the arguments of the GEMM's own matrix products
+(``observation.GemmArguments``), not what the quantizer returned; ``Operand.mismatches`` counts the
+consumed elements that a fresh quantization of the live tensor cannot produce (a stale cache, a
+wrong axis or format, a GEMM fed another tensor).
+
+A recipe's scales must be ones a GEMM can apply: no operand's scaling block may be one element
+long along its GEMM's reduction K (``Gemm.check_contraction``), or its scale would change at
+every product of a dot product.
 
 Each GEMM also says how its products are summed (``Gemm.accumulation``): in float32 (the
 default, every recipe's GEMM before), or as an H100's FP8 tensor cores do, fast or promoted
@@ -61,7 +67,7 @@ from precision_suite.numerics.accumulation import (
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
 from precision_suite.numerics.quantization import quantize
-from precision_suite.training.observation import unobserved
+from precision_suite.training.observation import CONTRACTION_AXIS, GemmArguments, gemm_received, unobserved
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -165,8 +171,13 @@ GEMM_OPERANDS = tuple(OPERAND_ROLES)  # "fprop.a" ... "wgrad.b": the six operand
 
 
 # Which dimension of each operand, as stored, is its GEMM's reduction K (fprop x W^T, dgrad dy W,
-# wgrad dy^T x): the extent along K of its scaling blocks
-REDUCTION_AXIS = {"fprop.a": 1, "fprop.b": 1, "dgrad.a": 1, "dgrad.b": 0, "wgrad.a": 0, "wgrad.b": 0}
+# wgrad dy^T x): the extent along K of its scaling blocks. One table, observation.py's: observed
+# GEMMs are turned into the suite's orientation by it
+REDUCTION_AXIS = CONTRACTION_AXIS
+# each operand as stored, and its GEMM's K in words, for messages
+_STORED = {"fprop.a": "x (tokens, in)", "fprop.b": "W (out, in)", "dgrad.a": "dy (tokens, out)",
+           "dgrad.b": "W (out, in)", "wgrad.a": "dy (tokens, out)", "wgrad.b": "x (tokens, in)"}
+_K = {"fprop": "in features", "dgrad": "out features", "wgrad": "tokens"}
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,25 @@ class Gemm:
     b: Operand
     hadamard: int = 0
     accumulation: Accumulation = Accumulation()
+
+    def check_contraction(self, recipe: str, gemm: str) -> None:
+        """ValueError naming the recipe, GEMM ("fprop", "dgrad", "wgrad") and operand whose scaling
+        blocks are one element long along the GEMM's reduction K: its scale changes at every
+        product of a dot product, so no GEMM can factor it out (a block scale multiplies a partial
+        sum only where the block lies along K; per tensor, or a whole axis along K, is fine)."""
+        for side, operand in (("a", self.a), ("b", self.b)):
+            where, layout = f"{gemm}.{side}", operand.layout
+            if operand.fmt == HIGH_PRECISION or get_format(operand.fmt).scale_rule == "none" \
+                    or not isinstance(layout, tuple) or layout[REDUCTION_AXIS[where]] != 1:
+                continue
+            turned = layout[::-1]
+            fix = f"a layout whose blocks run along K, such as {operand.fmt}:{layout_text(turned)}" \
+                if turned[REDUCTION_AXIS[where]] != 1 else "longer blocks along K, or tensor"
+            raise ValueError(
+                f"recipe {recipe!r} {gemm}: operand {side} {operand.text()} of {_STORED[where]} has scaling blocks "
+                f"one element long along axis {REDUCTION_AXIS[where]}, the GEMM's contraction axis "
+                f"({gemm} sums over {_K[gemm]}): its scale changes at every element of K, so no GEMM can factor "
+                f"it out of the dot product; use {fix}")
 
     def check_accumulation(self, recipe: str, gemm: str) -> None:
         """ValueError naming the recipe and GEMM ("fprop", "dgrad", "wgrad") unless the
@@ -231,6 +261,7 @@ class Recipe:
         if size and (size < 2 or size & (size - 1)):
             raise ValueError(f"recipe {self.name!r}: wgrad hadamard must be a power of two >= 2 (or 0), got {size}")
         for gemm_name in ("fprop", "dgrad", "wgrad"):
+            getattr(self, gemm_name).check_contraction(self.name, gemm_name)
             getattr(self, gemm_name).check_accumulation(self.name, gemm_name)
 
     def hadamard_matrix(self, device: torch.device) -> Tensor:
@@ -372,10 +403,11 @@ def get_recipe(name: str) -> Recipe:
     if name in user:
         return user[name]
     try:
-        return Recipe.from_scheme(get_scheme("bf16:tensor" if name == "bf16" else name))
+        scheme = get_scheme("bf16:tensor" if name == "bf16" else name)
     except ValueError as error:
         raise ValueError(f"unknown recipe {name!r}: use fp32, {RECIPE_EXAMPLES}, or declare it in a "
                          f"[recipes.NAME] table of the config ({error})") from None
+    return Recipe.from_scheme(scheme)  # a scheme's layout that cannot be a recipe's says why
 
 
 def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]:
@@ -521,7 +553,7 @@ def reduction_length(gemm: str, a: Consumed) -> int:
 
 
 def _orient(x: Tensor, transpose: bool) -> Tensor:
-    return x.t() if transpose else x
+    return x.mT if transpose else x
 
 
 def _oriented_factors(recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -534,10 +566,14 @@ def _oriented_factors(recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> tu
 
 
 def _emulated(layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> Tensor:
-    """`emulated_gemm` of a layer's GEMM, shown to the GEMM observers."""
+    """`emulated_gemm` of a layer's GEMM, shown to the GEMM observers; its consumed operands count
+    as the arguments of a matrix product (`gemm_received`: the emulation's own run unobserved)."""
+    transpose_a, transpose_b = _TRANSPOSED[gemm]
+    gemm_received(_orient(a[1], transpose_a), _orient(b[1], transpose_b))
     out = emulated_gemm(recipe, gemm, a, b)
-    for observer in list(_gemm_observers):
-        observer(layer, recipe, gemm, a, b, out)
+    with unobserved():  # measuring code: its products are not the GEMM's
+        for observer in list(_gemm_observers):
+            observer(layer, recipe, gemm, a, b, out)
     return out
 
 
@@ -548,6 +584,36 @@ def _elements(recipe: Recipe, gemm: str) -> tuple[str, str]:
 
 def _emulates(recipe: Recipe | None, gemm: str) -> bool:
     return recipe is not None and getattr(recipe, gemm).accumulation.hopper
+
+
+def _product(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Consumed, b: Consumed,
+             bias: Tensor | None = None) -> Tensor:
+    """GEMM `gemm` of a layer from its consumed operands (+ bias): emulated where the recipe's
+    accumulation says, else torch's float32 product (addmm with a bias, as F.linear computes)."""
+    if _emulates(recipe, gemm):
+        out = _emulated(layer, recipe, gemm, a, b).to(a[0].dtype)
+        return out if bias is None else out + bias
+    transpose_a, transpose_b = _TRANSPOSED[gemm]
+    a_used, b_used = _orient(a[1], transpose_a), _orient(b[1], transpose_b)
+    return a_used @ b_used if bias is None else torch.addmm(bias, a_used, b_used)
+
+
+def _layer_gemm(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Consumed, b: Consumed,
+                bias: Tensor | None = None) -> Tensor:
+    """`_product`; on a sampled step (operand observers installed) the observers are handed, beside
+    each live tensor, what the GEMM's matrix products themselves received (`GemmArguments`), not
+    what the quantizer returned: a product of another tensor is a mismatch. One that ran none the
+    capture sees hands them an empty operand (every element counted)."""
+    if recipe is None or not _observers:
+        return _product(layer, recipe, gemm, a, b, bias)
+    with GemmArguments() as received:
+        out = _product(layer, recipe, gemm, a, b, bias)
+    transpose_a, transpose_b = _TRANSPOSED[gemm]
+    reported = []
+    for call_a, call_b in received.calls or [(a[1].new_empty(0, 0), b[1].new_empty(0, 0))]:
+        reported += [(f"{gemm}.a", a[0], _orient(call_a, transpose_a)), (f"{gemm}.b", b[0], _orient(call_b, transpose_b))]
+    _observe(layer, recipe, *reported)
+    return out
 
 
 class QuantLinearFn(torch.autograd.Function):
@@ -561,15 +627,9 @@ class QuantLinearFn(torch.autograd.Function):
         if recipe is not None:
             x_used = recipe.fprop.a.apply(x2d, generator)
             weight_used = recipe.fprop.b.apply(weight, generator)
-            if _observers:
-                _observe(layer, recipe, ("fprop.a", x2d, x_used), ("fprop.b", weight, weight_used))
         else:
             x_used, weight_used = x2d, weight
-        if _emulates(recipe, "fprop"):
-            y = _emulated(layer, recipe, "fprop", (x2d, x_used), (weight, weight_used)).to(x_used.dtype)
-            y = y if bias is None else y + bias
-        else:
-            y = F.linear(x_used, weight_used, bias)
+        y = _layer_gemm(layer, recipe, "fprop", (x2d, x_used), (weight, weight_used), bias)
         # the originals are saved: the backward GEMMs quantize them their own way, except a weight
         # that dgrad takes as fprop did (a square or tensor-wide block): reused
         ctx.save_for_backward(x2d, weight, weight_used)
@@ -582,30 +642,20 @@ class QuantLinearFn(torch.autograd.Function):
         x2d, weight, weight_used = ctx.saved_tensors
         recipe, generator = ctx.recipe, ctx.generator
         dy = grad_output.reshape(-1, grad_output.shape[-1])
+        dy_rows, x_rows = dy, x2d  # wgrad's operands before quantization
         if recipe is not None:
             dy_dgrad = recipe.dgrad.a.apply(dy, generator)
             weight_dgrad = weight_used if recipe.dgrad.b == recipe.fprop.b else recipe.dgrad.b.apply(weight, generator)
-            dy_rows, x_rows = dy, x2d  # wgrad's operands before quantization
             if recipe.wgrad.hadamard:
                 matrix = recipe.hadamard_matrix(dy.device)
                 dy_rows, x_rows = recipe.rotate_tokens(dy, matrix), recipe.rotate_tokens(x2d, matrix)
             dy_wgrad = recipe.wgrad.a.apply(dy_rows, generator)
             x_wgrad = recipe.wgrad.b.apply(x_rows, generator)
-            if _observers:
-                _observe(ctx.layer, recipe, ("dgrad.a", dy, dy_dgrad), ("dgrad.b", weight, weight_dgrad),
-                         ("wgrad.a", dy_rows, dy_wgrad), ("wgrad.b", x_rows, x_wgrad))
         else:
             dy_dgrad = dy_wgrad = dy
             weight_dgrad, x_wgrad = weight, x2d
-        if _emulates(recipe, "dgrad"):
-            grad_x = _emulated(ctx.layer, recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).to(dy.dtype)
-        else:
-            grad_x = dy_dgrad @ weight_dgrad
-        grad_x = grad_x.reshape(ctx.x_shape)
-        if _emulates(recipe, "wgrad"):
-            grad_weight = _emulated(ctx.layer, recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad)).to(dy.dtype)
-        else:
-            grad_weight = dy_wgrad.t() @ x_wgrad
+        grad_x = _layer_gemm(ctx.layer, recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).reshape(ctx.x_shape)
+        grad_weight = _layer_gemm(ctx.layer, recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad))
         grad_bias = dy.sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None
 

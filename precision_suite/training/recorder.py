@@ -18,7 +18,8 @@ the wgrad GEMM's operand). Each (module, tensor role, layout) keeps additive sum
 (``views.py``), so both levels come from one measurement.
 
 Operands consumed: on a sampled step the recorder also observes every operand a recipe's
-``QuantLinearFn`` consumes in a selected module (``recipes.add_operand_observer``) and counts the
+``QuantLinearFn`` GEMMs receive in a selected module (``recipes.add_operand_observer``: the
+arguments of their own matrix products, not the quantizer's outputs) and counts the
 elements that differ from a fresh quantization of the live tensor under the operand's declared
 format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, operand)``, which
 must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quantizes count nothing
@@ -301,7 +302,7 @@ class Recorder:
             count = operand.mismatches(live, consumed)
         self._declared[where][operand.text()] = None
         mismatched, numel = into.get((name, where), (0, 0))  # a module called twice in a step: counts add
-        into[name, where] = (mismatched + count, numel + consumed.numel())
+        into[name, where] = (mismatched + count, numel + max(consumed.numel(), live.numel()))  # as mismatches counts
 
     def _emulated_gemm(self, into: dict, layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed,
                        b: Consumed, out: Tensor) -> None:
