@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ aten = torch.ops.aten
 LOW_PRECISION = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
                  "float8_e5m2fnuz": "e5m2fnuz"}
 GEMMS = ("fprop", "dgrad", "wgrad")
+UNQUANTIZED = "fp32"  # an operand a GEMM of a quantized module took unquantized (recipes.HIGH_PRECISION)
 # the axis each operand reduces over in the suite's orientation: x (tokens, in) and W (out, in)
 # over `in` in fprop; dy (tokens, out) over `out` and W over `out` in dgrad; dy and x over tokens
 CONTRACTION_AXIS = {"fprop.a": 1, "fprop.b": 1, "dgrad.a": 1, "dgrad.b": 0, "wgrad.a": 0, "wgrad.b": 0}
@@ -72,6 +73,35 @@ _SCALINGS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div"}
 _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default}
 # the matrix products torch's matmul, `@`, F.linear and einsum reach below autograd
 _MATRIX_PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+# a cast back from an 8-bit float to a wider one: the start of a dequantization (Dequantization)
+_WIDENINGS = {aten._to_copy.default, aten.copy_.default}
+
+
+def _as_reshape(tensor: Tensor, size: Sequence[int]) -> Tensor:
+    return tensor.reshape(size)  # a replayed view may not be viewable (an expanded id tensor)
+
+
+def _same(tensor: Tensor, *_: Any, **__: Any) -> Tensor:
+    return tensor
+
+
+def _first_matrix(tensor: Tensor) -> Tensor:
+    return tensor[0]
+
+
+def _replay(op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[Tensor], Tensor]:
+    """The op applied to another tensor with the same arguments."""
+    return lambda tensor: op(tensor, *args, **kwargs)
+
+
+# ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
+# tensors at the GEMM (None: the op itself)
+_RELINKS: dict[Any, Callable[..., Tensor] | None] = {
+    aten.view.default: _as_reshape, aten._unsafe_view.default: _as_reshape, aten.reshape.default: _as_reshape,
+    aten.t.default: None, aten.transpose.int: None, aten.permute.default: None, aten.expand.default: None,
+    aten.unsqueeze.default: None, aten.squeeze.dim: None, aten.squeeze.default: None,
+    aten.clone.default: _same, aten.alias.default: _same, aten.detach.default: _same,
+}
 
 
 @dataclass(frozen=True)
@@ -121,21 +151,76 @@ class ObservedOperand:
     stats: QuantStats | None  # None: the source was not found
     mismatched: int  # consumed elements round-to-nearest of the source cannot give
     checked: int  # elements compared (0: the source was not found or the format is unknown)
+    target: float = math.nan  # the scale's target (scale_target), NaN where not read
+    shape: str = ""  # "RxC": the operand's rows x columns in the suite's orientation (blocks clip to it)
+    quantized_gemm: bool = True  # its GEMM took a quantized operand (False: an fp32 GEMM of a quantized module)
 
     @property
     def text(self) -> str:
-        """The recipe vocabulary's "<fmt>:<layout>" (recipes.Operand.text)."""
-        return f"{self.fmt}:{self.granularity}"
+        """The recipe vocabulary's "<fmt>:<layout>" (recipes.Operand.text), "fp32" unquantized."""
+        return self.fmt if self.fmt == UNQUANTIZED else f"{self.fmt}:{self.granularity}"
 
 
 @dataclass
 class _GemmOperand:
-    """A GEMM argument as received: data (low precision), its scaling, and which tensor role a
-    subclass says it has (torchao's GemmInputRole) when it says so."""
+    """A GEMM argument as received: data (low precision; a high-precision tensor where `scaling` is
+    None: an unquantized operand), its scaling, and which tensor role a subclass says it has
+    (torchao's GemmInputRole) when it says so. A dequantized operand also names its cast and that
+    cast's source and input in the executed orientation (`Dequantization.operand`)."""
 
     data: Tensor
-    scaling: Scaling
+    scaling: Scaling | None
     role: str | None = None
+    cast: Cast | None = None
+    source: Tensor | None = None
+    cast_input: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Dequantization:
+    """How a tensor the mode saw derives from an observed cast's output: through `chain` (the
+    views, reshapes and transposes since the cast, replayed on the cast's tensors at the GEMM),
+    cast back to a wider float (`wide`), and multiplied or divided by a scale (`scaling`, after the
+    first `at` ops of the chain, on a tensor of shape `shape_at`). Fake quantization: a GEMM that
+    takes such a tensor computes with the dequantized 8-bit values."""
+
+    cast: Cast
+    chain: tuple[Callable[[Tensor], Tensor], ...] = ()
+    wide: bool = False
+    scaling: Scaling | None = None
+    at: int = 0
+    shape_at: tuple[int, ...] = ()
+
+    def then(self, replay: Callable[[Tensor], Tensor]) -> Dequantization:
+        return replace(self, chain=(*self.chain, replay))
+
+    def operand(self, tensor: Tensor) -> _GemmOperand | None:
+        """The GEMM operand `tensor` (2-D, as the GEMM received it) is: the cast's output, source
+        and input through the same chain, and the scale as one factor per block of `tensor`
+        (``_block_factor``); the cast's own scale where nothing scaled after the cast (a GEMM whose
+        result is scaled instead). None where the chain does not give `tensor`'s shape."""
+        cast = self.cast
+
+        def replayed(t: Tensor | None) -> Tensor | None:
+            if t is None or t.shape != cast.output.shape:
+                return None
+            t = t.detach()
+            for step in self.chain:
+                t = step(t)
+            return t
+
+        data = replayed(cast.output)
+        if data is None or data.shape != tensor.shape or data.dim() != 2:
+            return None
+        if self.scaling is None:
+            scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
+        else:
+            factor = _block_factor(self.scaling.factor, self.shape_at, self.chain[self.at:])
+            if factor is None:
+                return None
+            scaling = Scaling(self.scaling.op, factor)
+        return _GemmOperand(data, scaling, cast=cast, source=replayed(cast.source),
+                            cast_input=replayed(cast.cast_input))
 
 
 @dataclass(frozen=True)
@@ -211,6 +296,8 @@ class Observation(TorchDispatchMode):
         self.casts: list[Cast] = []
         self._scaled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> (op, source, factor)
         self._clamped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> input
+        self._links: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> Dequantization of a cast's output
+        self._quantized: set[str] = set()  # modules whose GEMMs took a quantized operand this step
         self._backward_gemms: dict[tuple[str, int], int] = {}  # (module, autograd node) -> GEMMs seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -218,19 +305,32 @@ class Observation(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _CASTS or func is aten.copy_.default:
             cast_input, output = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
-            if isinstance(output, Tensor) and low_precision_format(output.dtype) and isinstance(cast_input, Tensor) \
-                    and cast_input.is_floating_point() and low_precision_format(cast_input.dtype) is None:
-                self._cast(cast_input, output)
+            if isinstance(output, Tensor) and isinstance(cast_input, Tensor) and cast_input.is_floating_point():
+                if low_precision_format(output.dtype) and low_precision_format(cast_input.dtype) is None:
+                    self._cast(cast_input, output)
+                elif low_precision_format(output.dtype) is None and output.is_floating_point():
+                    link = self._links.get(cast_input)
+                    if link is not None and not link.wide:  # 8 bits back to a wider float
+                        self._links[output] = replace(link, wide=True)
         elif func in _SCALINGS:
             if isinstance(out, Tensor) and out.is_floating_point() and isinstance(args[0], Tensor):
                 self._scaled[out] = (_SCALINGS[func], args[0], args[1])
+                self._dequantizing(func, args, out)
         elif func in _CLAMPS:
             if isinstance(out, Tensor) and isinstance(args[0], Tensor):
                 self._clamped[out] = args[0]
+        elif func in _RELINKS:
+            link = self._links.get(args[0]) if isinstance(args[0], Tensor) else None
+            if link is not None and isinstance(out, Tensor):
+                self._links[out] = link.then(_replay(_RELINKS[func] or func, args[1:], kwargs))
         elif func is aten._scaled_mm.default:
             self._scaled_mm(*args, **kwargs)
         elif func in _MATRIX_PRODUCTS:
-            self._subclass_gemm(func, args)
+            readers = [_subclass_reader(arg) for arg in args[-2:]]
+            if all(reader is not None for reader in readers):
+                self._subclass_gemm(func, args)
+            elif not any(readers):
+                self._product(func, args[-2:])
         return out
 
     # -- what the mode records ---------------------------------------------------------------
@@ -247,6 +347,45 @@ class Observation(TorchDispatchMode):
             return
         source, scaling = self._unscaled(cast_input)
         self.casts.append(Cast(module, cast_input, output, source, scaling))
+        self._links[output] = Dequantization(self.casts[-1])
+
+    def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
+        """A dequantized 8-bit tensor multiplied (q * s: the reconstruction divides by s's
+        reciprocal, Scaling "div") or divided (q / d: Scaling "mul") by its scale."""
+        a, b = args[0], args[1]
+        link = self._links.get(a) if isinstance(a, Tensor) else None
+        if link is None and func is aten.mul.Tensor and isinstance(b, Tensor):
+            link, a, b = self._links.get(b), b, a
+        if link is None or not link.wide or link.scaling is not None or out.shape != a.shape:
+            return
+        factor = b.detach() if isinstance(b, Tensor) else torch.tensor(float(b), dtype=torch.float32,
+                                                                        device=out.device)
+        scaling = Scaling("div" if func is aten.mul.Tensor else "mul", factor)
+        self._links[out] = replace(link, scaling=scaling, at=len(link.chain), shape_at=tuple(out.shape))
+
+    def _product(self, func: Any, pair: Sequence[Any]) -> None:
+        """A matrix product of plain tensors: a fake-quantized GEMM where an operand is a
+        dequantized cast (the other described as unquantized, fp32), an unquantized GEMM where
+        none is but it runs in the backward of a linear-like module whose GEMMs took quantized
+        operands this step (a straight-through backward), else not the model's quantization."""
+        links = [self._links.get(t) for t in pair]
+        if func is aten.bmm.default:  # one matrix of a batch: the links go by the 3-D tensors
+            if any(t.dim() != 3 or t.shape[0] != 1 for t in pair):
+                return
+            links = [None if link is None else link.then(_first_matrix) for link in links]
+            pair = [t[0] for t in pair]
+        dequantized = [link if link is not None and link.wide else None for link in links]
+        if not any(dequantized):
+            module, backward = self._where()
+            if not (backward and module in self._quantized and module in self.live):
+                return
+        operands = []
+        for tensor, link in zip(pair, dequantized):
+            operand = link.operand(tensor) if link is not None else _GemmOperand(tensor.detach(), None)
+            if operand is None:
+                return  # a chain this cannot replay: not described rather than misdescribed
+            operands.append(operand)
+        self._gemm(*operands, None)
 
     def _unscaled(self, tensor: Tensor) -> tuple[Tensor | None, Scaling | None]:
         """The tensor before the scaling op (and clamps) that made `tensor`, and that scaling."""
@@ -288,44 +427,64 @@ class Observation(TorchDispatchMode):
         if not self.wanted(module):
             return
         gemm, swapped = self._which_gemm(module, backward, a, b)
-        if self.on_gemm is not None:
+        quantized = a.scaling is not None or b.scaling is not None
+        if quantized:
+            self._quantized.add(module)
+        # a scaled GEMM as the hardware runs it; a fake-quantized one runs in float32
+        if self.on_gemm is not None and a.scaling is not None and b.scaling is not None and a.cast is b.cast is None:
             self.on_gemm(GemmCall(module, gemm, a.data, a.scaling.dequantized(torch.ones_like(a.scaling.factor)),
                                   b.data, b.scaling.dequantized(torch.ones_like(b.scaling.factor)), fast))
         sides = (b, a) if swapped else (a, b)
         for side, operand in zip(("a", "b"), sides):
             executed_axis = 0 if (operand is b) else 1  # A (M, K) reduces over columns, B (K, N) over rows
-            self.operands.append(self._describe(module, gemm, f"{gemm}.{side}", operand, executed_axis, fast))
+            described = self._describe(module, gemm, f"{gemm}.{side}", operand, executed_axis, fast)
+            self.operands.append(replace(described, quantized_gemm=quantized))
 
     def _which_gemm(self, module: str, backward: bool, a: _GemmOperand, b: _GemmOperand) -> tuple[str, bool]:
         """(fprop | dgrad | wgrad, whether the executed a and b are the suite's b and a).
 
         A subclass that names its operands' roles (torchao) says it exactly. Otherwise: forward is
-        fprop; in backward, a GEMM with a weight operand (the source of its cast is a parameter)
-        is dgrad, one whose output has the shape of the module's weight is wgrad, and otherwise
-        the first scaled GEMM a backward node runs for the module is dgrad, the second wgrad."""
+        fprop; in backward, a GEMM with a weight operand (it, or the source of its cast, is the
+        module's weight or a parameter) is dgrad; else it is wgrad, its a the module's input
+        (dW^T = x^T dy) where a is, or where its output has the shape of the module's (non-square)
+        weight transposed; else the first GEMM a backward node runs for the module is dgrad, the
+        second wgrad."""
         roles = frozenset({a.role, b.role})
         if roles in _TORCHAO_GEMMS:
             gemm = _TORCHAO_GEMMS[roles]
             return gemm, a.role != _TORCHAO_SIDES[gemm][0]
-        weight_side = [self._is_weight(module, operand) for operand in (a, b)]
+        weight_side = [self._is_tensor(module, operand, "weight") for operand in (a, b)]
         if not backward:
             return "fprop", weight_side[0] and not weight_side[1]
+        key = (module, id(torch._C._current_autograd_node()))
+        seen = self._backward_gemms[key] = self._backward_gemms.get(key, 0) + 1
         if any(weight_side):
             return "dgrad", weight_side[0] and not weight_side[1]
+        if self._is_tensor(module, a, "x"):
+            return "wgrad", True
         weight = self.live.get(module, {}).get("weight")
         out_shape = (a.data.shape[0], b.data.shape[1])
         if weight is not None and weight.shape[0] != weight.shape[1] and out_shape in (tuple(weight.shape),
                                                                                         tuple(weight.shape[::-1])):
-            return "wgrad", False
-        key = (module, id(torch._C._current_autograd_node()))
-        seen = self._backward_gemms[key] = self._backward_gemms.get(key, 0) + 1
+            return "wgrad", out_shape == tuple(weight.shape[::-1])
         return ("dgrad" if seen == 1 else "wgrad"), False
 
-    def _is_weight(self, module: str, operand: _GemmOperand) -> bool:
-        cast = self._cast_of(operand.data)
-        source = cast[0].source if cast is not None else None
-        weight = self.live.get(module, {}).get("weight")
-        return isinstance(source, torch.nn.Parameter) or (source is not None and source is weight)
+    def _is_tensor(self, module: str, operand: _GemmOperand, name: str) -> bool:
+        """Whether the operand is (quantized from) the module's own tensor `name` ("x", "weight";
+        a weight: or any parameter): the same memory."""
+        if operand.scaling is None:
+            tensor: Tensor | None = operand.data
+        elif operand.cast is not None:
+            tensor = operand.cast.source
+        else:
+            found = self._cast_of(operand.data)
+            tensor = found[0].source if found is not None else None
+        if tensor is None:
+            return False
+        if name == "weight" and isinstance(tensor, torch.nn.Parameter):
+            return True
+        own = self.live.get(module, {}).get(name)
+        return own is not None and tensor.data_ptr() == own.data_ptr() and tensor.numel() == own.numel()
 
     def _cast_of(self, data: Tensor) -> tuple[Cast, bool] | None:
         """The latest observed cast whose output is `data` (or its transpose), and whether it is
@@ -344,26 +503,39 @@ class Observation(TorchDispatchMode):
 
     def _describe(self, module: str, gemm: str, operand: str, given: _GemmOperand, executed_axis: int,
                   fast: bool | None) -> ObservedOperand:
-        fmt = low_precision_format(given.data.dtype) or str(given.data.dtype).removeprefix("torch.")
         turn = executed_axis != CONTRACTION_AXIS[operand]  # executed orientation -> the suite's
         data = given.data.t() if turn else given.data
+        shape = f"{data.shape[0]}x{data.shape[1]}"
+        if given.scaling is None:
+            return ObservedOperand(module, gemm, operand, UNQUANTIZED, "", "", "", fast, None, 0, 0, shape=shape)
+        fmt = low_precision_format(given.data.dtype) or str(given.data.dtype).removeprefix("torch.")
         scaling = given.scaling.transposed() if turn else given.scaling
         factor = _broadcast_factor(scaling.factor, data.shape)
         granularity = _granularity(scaling.factor, data.shape, factor)
         block = "tensor" if granularity in ("tensor", "unknown") else \
             f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
-        found = self._cast_of(given.data)
-        if found is not None:
-            found[0].consumed = True
-        source, cast_input = self._source(module, operand, data, found, turn)
+        if given.cast is not None:  # a dequantized cast: its tensors came with it, as executed
+            given.cast.consumed = True
+            source, cast_input = ((None if t is None else (t.t() if turn else t).float())
+                                  for t in (given.source, given.cast_input))
+            source = source if source is not None else self._live_source(module, operand, data)
+        else:
+            found = self._cast_of(given.data)
+            if found is not None:
+                found[0].consumed = True
+            source, cast_input = self._source(module, operand, data, found, turn)
         q = data.float()
         if factor is None:
             return ObservedOperand(module, gemm, operand, fmt, granularity, block, _scale_kind(scaling.factor),
-                                   fast, None, 0, 0)
+                                   fast, None, 0, 0, shape=shape)
         dequantized = Scaling(scaling.op, factor).dequantized(q)
         stats, mismatched, checked = None, 0, 0
-        if source is not None:
-            scaled = Scaling(scaling.op, factor).scaled(source)
+        kind = _scale_kind(scaling.factor)
+        scaled = Scaling(scaling.op, factor).scaled(source) if source is not None else None
+        # where amax maps: the scaled source before any clamp, else the 8-bit values the GEMM took
+        target = scale_target(scaled if scaled is not None else q,
+                              scaling.factor.shape if scaling.factor.numel() > 1 else (1, 1), fmt, kind)
+        if scaled is not None:
             # the cast's own input, where the GEMM's scale agrees with the cast's: exact, no slack
             exact = cast_input is not None and bool(
                 ((cast_input - scaled).abs() <= scaled.abs() * _SOURCE_SLACK).all())
@@ -374,8 +546,13 @@ class Observation(TorchDispatchMode):
             if element is not None:
                 slack = 0.0 if exact else _SOURCE_SLACK
                 mismatched, checked = int(_unlike_nearest(q, reference, element, slack)), q.numel()
-        return ObservedOperand(module, gemm, operand, fmt, granularity, block, _scale_kind(scaling.factor), fast,
-                               stats, mismatched, checked)
+        return ObservedOperand(module, gemm, operand, fmt, granularity, block, kind, fast, stats, mismatched,
+                               checked, target, shape=shape)
+
+    def _live_source(self, module: str, operand: str, data: Tensor) -> Tensor | None:
+        live = self.live.get(module, {}).get(OPERAND_TENSORS[operand])
+        live = None if live is None else live.detach().float().reshape(-1, live.shape[-1])
+        return live if live is not None and live.shape == data.shape else None
 
     def _source(self, module: str, operand: str, data: Tensor, found: tuple[Cast, bool] | None,
                 turn: bool) -> tuple[Tensor | None, Tensor | None]:
@@ -420,8 +597,8 @@ class Observation(TorchDispatchMode):
         for cast in self.casts:
             if not cast.consumed:
                 step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.output.numel()
-        self.operands, self.casts = [], []
-        self._scaled, self._clamped = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self.operands, self.casts, self._quantized = [], [], set()
+        self._scaled, self._clamped, self._links = WeakIdKeyDictionary(), WeakIdKeyDictionary(), WeakIdKeyDictionary()
         return step
 
 
@@ -549,6 +726,69 @@ def _granularity(factor: Tensor, shape: torch.Size, broadcast: Tensor | None) ->
     if block == (rows, 1):
         return "column"
     return f"{block[0]}x{block[1]}"
+
+
+def _block_factor(factor: Tensor, shape_at: Sequence[int],
+                  chain: Sequence[Callable[[Tensor], Tensor]]) -> Tensor | None:
+    """The scale `factor`, broadcast over a tensor of shape `shape_at` and taken through `chain` to
+    a 2-D operand, as one factor per block of that operand: shape (rows / r, cols / c). Which block
+    an element belongs to is read from the factor's index, broadcast and replayed like the tensor,
+    not from its values (neighbouring blocks may share a scale, power-of-two scales often do); a
+    factor as large as the tensor (expanded already, e.g. by repeat_interleave) is read from its
+    values. None where the blocks do not tile the operand."""
+    factor = factor.detach()
+    if factor.numel() == 1:
+        return factor.float().reshape(())
+    expanded = factor.numel() == math.prod(shape_at)
+    key = factor.float() if expanded else torch.arange(factor.numel(), device=factor.device).reshape(factor.shape)
+    try:
+        key = key.expand(tuple(shape_at))
+        for step in chain:
+            key = step(key)
+    except RuntimeError:
+        return None
+    if key.dim() != 2:
+        return None
+    r, c = _run_length(key), _run_length(key.t())
+    compact = key[::r, ::c]
+    if not torch.equal(compact.repeat_interleave(r, dim=0).repeat_interleave(c, dim=1), key):
+        return None
+    return compact.float() if expanded else factor.float().flatten()[compact]
+
+
+def _run_length(key: Tensor) -> int:
+    """The rows one block of `key` (2-D) spans: the greatest common divisor of where it changes."""
+    changes = ((key[1:] != key[:-1]).any(dim=1).nonzero().flatten() + 1).tolist()
+    return math.gcd(key.shape[0], *changes)
+
+
+def scale_target(scaled: Tensor, blocks: Sequence[int], fmt: str, scale_kind: str) -> float:
+    # blocks: how many blocks along rows and columns (the compact scale's shape)
+    """The scale's target: the largest scaled magnitude per block as a fraction of the format's
+    largest finite value (amax -> 448 in E4M3 is 1.0, amax -> 240 is 0.54), NaN where unknown.
+
+    Part of the observed recipe, so unchanged code must give the identical value under rounding
+    noise and other seeds: the median over the blocks that hold a nonzero (a recipe maps every
+    block's amax the same way; outliers of a clamp or an all-zero block do not move a median),
+    rounded to 2 significant digits (a float32 scale computed as target / amax lands within an
+    ulp of the target). With power-of-two scales a block's amax lands anywhere in (T/2, T] for a
+    target T: what such a recipe determines is that bracket, reported as its upper end, the power
+    of two at or above the median (1.0 for amax -> 448 floored to a power of two, 0.5 for 240)."""
+    element = _element(fmt)
+    if element is None or scaled.dim() != 2 or len(blocks) != 2:
+        return math.nan
+    rows, cols = scaled.shape
+    across, down = blocks
+    if across == 0 or down == 0 or rows % across or cols % down:
+        return math.nan
+    amax = scaled.detach().abs().reshape(across, rows // across, down, cols // down).amax(dim=(1, 3)).flatten()
+    amax = amax[torch.isfinite(amax) & (amax > 0)]
+    if not amax.numel():
+        return math.nan
+    ratio = float(amax.double().median()) / element.max
+    if scale_kind.endswith("pow2"):
+        return 2.0 ** math.ceil(math.log2(ratio))
+    return float(f"{ratio:.2g}")
 
 
 def _scale_kind(factor: Tensor) -> str:
