@@ -134,6 +134,12 @@ class Cast:
     source: Tensor | None  # the tensor before the scaling op (None: no scaling op seen)
     scaling: Scaling | None
     consumed: bool = False  # an observed GEMM took its output as an operand
+    origin: Cast | None = None  # the cast whose output the model's code changed into this one's
+
+    def consume(self) -> None:
+        self.consumed = True
+        if self.origin is not None:
+            self.origin.consumed = True
 
 
 @dataclass
@@ -309,7 +315,7 @@ class Observation(TorchDispatchMode):
                 if low_precision_format(output.dtype) and low_precision_format(cast_input.dtype) is None:
                     self._cast(cast_input, output)
                 elif low_precision_format(output.dtype) is None and output.is_floating_point():
-                    link = self._links.get(cast_input)
+                    link = self._links.get(cast_input) or self._changed_cast(cast_input)
                     if link is not None and not link.wide:  # 8 bits back to a wider float
                         self._links[output] = replace(link, wide=True)
         elif func in _SCALINGS:
@@ -348,6 +354,17 @@ class Observation(TorchDispatchMode):
         source, scaling = self._unscaled(cast_input)
         self.casts.append(Cast(module, cast_input, output, source, scaling))
         self._links[output] = Dequantization(self.casts[-1])
+
+    def _changed_cast(self, data: Tensor) -> Dequantization | None:
+        """8-bit data no observed cast produced, taken as the module's latest cast of that shape
+        and dtype changed by the model's own code (a rounding kernel that steps codes through
+        integer views): its input and source are that cast's, its values its own."""
+        if low_precision_format(data.dtype) is None:
+            return None
+        module, _ = self._where()
+        cast = next((c for c in reversed(self.casts) if c.module == module and c.output.shape == data.shape
+                     and c.output.dtype == data.dtype), None)
+        return None if cast is None else Dequantization(replace(cast, output=data, consumed=False, origin=cast))
 
     def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
         """A dequantized 8-bit tensor multiplied (q * s: the reconstruction divides by s's
@@ -515,7 +532,7 @@ class Observation(TorchDispatchMode):
         block = "tensor" if granularity in ("tensor", "unknown") else \
             f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
         if given.cast is not None:  # a dequantized cast: its tensors came with it, as executed
-            given.cast.consumed = True
+            given.cast.consume()
             source, cast_input = ((None if t is None else (t.t() if turn else t).float())
                                   for t in (given.source, given.cast_input))
             source = source if source is not None else self._live_source(module, operand, data)
