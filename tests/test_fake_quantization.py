@@ -17,7 +17,7 @@ import user_code
 import user_qat
 import user_qdq
 from precision_suite.numerics.metrics import SUM_FIELDS
-from precision_suite.training.observation import low_precision_format, scale_target
+from precision_suite.training.observed_operands import low_precision_format, scale_target
 from precision_suite.training.recipes import GEMM_OPERANDS
 from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec

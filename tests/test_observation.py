@@ -17,7 +17,7 @@ from torchao.float8.config import ScalingGranularity, ScalingType
 import user_fp8
 import user_torchao
 from precision_suite.numerics.metrics import SUM_FIELDS
-from precision_suite.training.observation import CONTRACTION_AXIS, low_precision_format
+from precision_suite.training.observed_operands import CONTRACTION_AXIS, low_precision_format
 from precision_suite.training.recipes import GEMM_OPERANDS, get_recipe
 from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, Trainer, case_id, run, seeded

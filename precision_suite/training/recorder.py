@@ -73,11 +73,11 @@ from precision_suite.training.observation import (
     Observation,
     StepObservation,
     describe_observation,
-    low_precision_format,
     sequence_number,
     tag_nodes,
     unobserved,
 )
+from precision_suite.training.observed_operands import low_precision_format
 from precision_suite.training.probes import (
     TENSOR_ROLES,
     Scheme,
