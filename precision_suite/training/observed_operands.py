@@ -182,7 +182,8 @@ def block_factor(factor: Tensor, shape_at: Sequence[int],
         return None
     r, c = _run_length(key), _run_length(key.t())
     compact = key[::r, ::c]
-    if not torch.equal(compact.repeat_interleave(r, dim=0).repeat_interleave(c, dim=1), key):
+    rows, cols = key.shape
+    if not bool((key.reshape(rows // r, r, cols // c, c) == compact[:, None, :, None]).all()):
         return None
     return compact.float() if expanded else factor.float().flatten()[compact]
 
@@ -240,6 +241,10 @@ def _unlike_nearest(q: Tensor, scaled: Tensor, element: ElementType, slack: floa
     monotone). A non-finite source admits NaN and +-max."""
     finite = torch.isfinite(scaled)
     value = torch.where(finite, scaled, 0.0)
+    if slack == 0:  # the exact input: one rounding
+        nearest = round_by_bits(value.clamp(-element.max, element.max), element)
+        admitted = torch.where(finite, q == nearest, q.isnan() | (q.abs() == element.max))
+        return (~admitted).sum()
     low = value - value.abs() * slack
     high = value + value.abs() * slack
     low = round_by_bits(low.clamp(-element.max, element.max), element)
