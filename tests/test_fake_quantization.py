@@ -121,6 +121,7 @@ def test_torchao_qat_is_observed_with_its_straight_through_backward_in_fp32(monk
         for operand, text in expected.items():
             wanted = math.nan if text == "fp32" else 1.0  # torchao: scale = amax / 448
             assert cell(ds, "observed_target", name, operand) == pytest.approx(wanted, nan_ok=True), (name, operand)
+            assert cell(ds, "observed_scale", name, operand) == ("" if text == "fp32" else "float32")
         assert ds["observed_gemms"].sel(step=0, module=name).values.tolist() == [1, 1, 1]
     assert int(ds["operand_mismatch"].sum()) == 0
     assert "FakeQuantizedLinear (torchao.quantization.qat.linear)" in ds.attrs["quantized_by"]
