@@ -198,9 +198,10 @@ def _gemms_as_run(ds: xr.Dataset) -> list[tuple[int, float, str]]:
     a run, as it ran (`views.AS_RUN`); GEMMs never measured are left out."""
     if "accumulation_sums" not in ds.data_vars:
         return []
-    errors = module_view(ds)["accumulation_error"].sel(accumulation=AS_RUN).transpose("step", "module", "gemm").values
-    k = ds["accumulation_k"].transpose("step", "module", "gemm").values.max(axis=0)
-    modes = ds["accumulation_mode"].transpose("step", "module", "gemm").values
+    view = module_view(ds)  # errors, K and modes on the view's modules alike
+    errors = view["accumulation_error"].sel(accumulation=AS_RUN).transpose("step", "module", "gemm").values
+    k = view["accumulation_k"].transpose("step", "module", "gemm").values.max(axis=0)
+    modes = view["accumulation_mode"].transpose("step", "module", "gemm").values
     points = []
     for index in np.ndindex(k.shape):
         measured = errors[(slice(None), *index)]

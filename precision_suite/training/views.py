@@ -155,37 +155,54 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
 
 def module_view(ds: xr.Dataset) -> xr.Dataset:
     """The run's metrics per module (dims step, module, tensor, layout), attention norms under
-    their attention modules' names; attrs as the run's."""
+    their attention modules' names; attrs as the run's.
+
+    The view's modules are the run's GEMM modules (probed, observed, accumulated: the run's
+    ``module``) followed by the attention modules not among them, whatever subset each has; a
+    variable is filled where its group has no such module as ``_fill`` says (NaN: not measured).
+    """
     if "module_sums" not in ds:
         raise ValueError(f"dataset {ds.attrs.get('case', '')!r} has no per-module sums (schema_version "
                          f"{ds.attrs.get('schema_version')!r}; per-module numbers need {SCHEMA_VERSION})")
     sums = ds["module_sums"].transpose("step", "module", "tensor", "layout", "sum_field").values
     labels = [str(v) for v in ds["layout"].values]
-    first = _first_labels(ds)
-    view = xr.Dataset(dict(_metric_vars(sums, "module", first, labels)),
-                      coords={"step": ds["step"].values, "module": ds["module"].values,
-                              "tensor": ds["tensor"].values, "layout": ds["layout"].values},
-                      attrs=dict(ds.attrs))
-    if "module_attention_norm" in ds:
-        norms = ds["module_attention_norm"].rename(attention_module="module").drop_vars(
-            "attention_module_layer", errors="ignore")
-        view = xr.merge([view, norms.to_dataset(name="attention_norm")], join="outer",
-                        combine_attrs="override")
+    gemm_modules = xr.Dataset(dict(_metric_vars(sums, "module", _first_labels(ds), labels)),
+                              coords={"step": ds["step"].values, "module": ds["module"].values,
+                                      "tensor": ds["tensor"].values, "layout": ds["layout"].values})
     present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES) if name in ds]
-    if present:
-        view = view.assign({name: ds[name].drop_vars("module_layer") for name in present})
+    gemm_modules = gemm_modules.assign({name: ds[name].drop_vars("module_layer") for name in present})
     if "observed_sums" in ds:
         sums = ds["observed_sums"].transpose("step", "module", "operand", "sum_field").values
-        view = view.assign({name: (dims, values, attrs) for name, (dims, values, attrs)
-                            in _observed_metric_vars(sums, "module").items()})
+        gemm_modules = gemm_modules.assign(_observed_metric_vars(sums, "module"))
     if "accumulation_sums" in ds:
         sums = ds["accumulation_sums"].transpose("step", "module", "gemm", "accumulation", "accumulation_field").values
-        dims, errors, attrs = _accumulation_error(sums, "module")
-        # as a DataArray on the run's modules: the attention norms' modules may have joined the view's
-        view = view.assign(accumulation_error=xr.DataArray(errors, {d: ds[d].values for d in dims}, dims, attrs=attrs))
+        gemm_modules = gemm_modules.assign(accumulation_error=_accumulation_error(sums, "module"))
+    gemm_modules = gemm_modules.assign_coords({dim: ds[dim].values for dim in gemm_modules.dims
+                                               if dim not in gemm_modules.coords and dim in ds.coords})
+    groups = [gemm_modules]
+    if "module_attention_norm" in ds:
+        norms = ds["module_attention_norm"].rename(attention_module="module").drop_vars("attention_module_layer",
+                                                                                        errors="ignore")
+        groups.append(norms.to_dataset(name="attention_norm"))
+    modules = list(dict.fromkeys(str(m) for group in groups for m in group["module"].values))
+    on_modules = [group.reindex(module=np.array(modules, dtype=object),
+                                fill_value={name: _fill(group[name]) for name in group.data_vars})
+                  for group in groups]
+    view = xr.merge(on_modules, join="exact", compat="override", combine_attrs="drop")
+    view.attrs = dict(ds.attrs)
     if "tokens" in ds.coords:
         view = view.assign_coords(tokens=("step", ds["tokens"].values))
     return view
+
+
+def _fill(variable: xr.DataArray) -> object:
+    """What a per-module variable holds at a module its group lacks: "" for strings (none seen), 0
+    for counts (nothing counted), NaN for floats (not measured)."""
+    if variable.dtype.kind in "OUS":
+        return ""
+    if variable.dtype.kind in "iub":
+        return 0
+    return np.nan
 
 
 def _metric_vars(sums: np.ndarray, where: str, first_labels: Sequence[str],
