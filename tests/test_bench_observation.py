@@ -1,7 +1,9 @@
 """What observing the model's own quantization costs a sampled step (training/observation.py): the
 same sampled training step (probes on) with the observation mode and without it, on the default-size
-GPT trained with fp8-block (the suite's recipe is not observed: the mode only looks) and on a torchao float8 model (every
-cast and scaled GEMM observed, measured and checked). Unsampled steps never observe.
+GPT trained with fp8-block (the suite's recipe is not observed: the mode only looks), on a torchao float8 model (every
+cast and scaled GEMM observed, measured and checked) and on a fake-quantized model (tests/user_qdq.py: every
+dequantized cast followed through its views into the GEMMs, its blocks read, measured and checked). Unsampled
+steps never observe.
 
 The consumed-operand check of the suite's own recipes compares what each GEMM's matrix products
 received (recipes._layer_gemm, a dispatch mode around each GEMM): timed against reporting what the
@@ -20,7 +22,8 @@ from precision_suite.training import recipes
 from precision_suite.training.runs import RunSpec, Trainer
 
 MODELS = {"GPT fp8-block": RunSpec(model="gpt", recipe="fp8-block", device="cpu"),
-          "torchao float8 MLP": RunSpec(model="user_torchao:build", batches="user_torchao:batches", device="cpu")}
+          "torchao float8 MLP": RunSpec(model="user_torchao:build", batches="user_torchao:batches", device="cpu"),
+          "blockwise QDQ GPT": RunSpec(model="user_qdq:build", batches="user_qdq:batches", device="cpu")}
 GOAL = 1.5  # at most this many sampled steps without observation
 
 

@@ -17,7 +17,7 @@ from torchao.float8.config import ScalingGranularity, ScalingType
 import user_fp8
 import user_torchao
 from precision_suite.numerics.metrics import SUM_FIELDS
-from precision_suite.training.observation import CONTRACTION_AXIS, low_precision_format
+from precision_suite.training.observed_operands import CONTRACTION_AXIS, low_precision_format
 from precision_suite.training.recipes import GEMM_OPERANDS, get_recipe
 from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, Trainer, case_id, run, seeded
@@ -62,10 +62,11 @@ def torchao_model(monkeypatch: pytest.MonkeyPatch, recipe: str = "tensorwise", h
 def expected_torchao_text(config: Float8LinearConfig, operand: str) -> str:
     """What torchao's config says an operand is, in recipe vocabulary: the cast's target format,
     one scale per tensor, or (axiswise) one scale per slice along the GEMM's contraction axis:
-    rows of an operand that reduces over its columns, columns of one that reduces over its rows."""
+    rows of an operand that reduces over its columns, columns of one that reduces over its rows;
+    fp32 where the cast is disabled (rowwise_with_gw_hp's wgrad: a float32 GEMM of the module)."""
     cast = getattr(config, TORCHAO_CASTS[operand])
     if cast.scaling_type is ScalingType.DISABLED:
-        return ""
+        return "fp32"
     fmt = low_precision_format(cast.target_dtype)
     if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
         return f"{fmt}:tensor"
@@ -81,7 +82,7 @@ def test_torchao_float8_recipes_are_observed_as_their_config_declares(monkeypatc
         for operand in GEMM_OPERANDS:
             got = str(ds["observed_format"].sel(step=0, module=module, operand=operand).values)
             assert got == expected_torchao_text(config, operand), (module, operand)
-        quantized = {g for g in ("fprop", "dgrad", "wgrad") if expected_torchao_text(config, f"{g}.a")}
+        quantized = {g for g in ("fprop", "dgrad", "wgrad") if expected_torchao_text(config, f"{g}.a") != "fp32"}
         assert {g: int(ds["observed_gemms"].sel(step=0, module=module, gemm=g)) for g in ("fprop", "dgrad", "wgrad")} \
             == {g: int(g in quantized) for g in ("fprop", "dgrad", "wgrad")}
         # torchao's GEMM configs: fast accumulation for the output GEMM only
@@ -230,7 +231,8 @@ def test_a_change_of_the_observed_recipe_is_a_finding_naming_the_module_and_the_
     [head] = observed.check_observed_recipe(no_head, base)
     assert "head: scaled GEMMs observed 3 -> 0 at step 0" in head.message and head.kind == "regression"
     messages = [f.message for f in observed.check_observed_recipe(rowwise, base)]
-    assert any("blocks.1.fc1 dgrad operand a: e5m2:tensor (tensor, float32) -> e4m3:row (1x128, float32 pow2)" in m
+    assert any("blocks.1.fc1 dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> "
+               "e4m3:row (1x128, float32 pow2, target 1)" in m
                for m in messages)
     assert len(messages) == 6 * 5  # every operand of the five float8 linears: four in blocks, the head
 

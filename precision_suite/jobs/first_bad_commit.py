@@ -18,22 +18,20 @@ from pathlib import Path
 
 from precision_suite.files import load_dataset
 from precision_suite.jobs import git, results
-from precision_suite.jobs.execution import fresh_interpreter
-from precision_suite.jobs.reference import load_project
-from precision_suite.jobs.selection import Selection, selected_specs
-from precision_suite.jobs.train_specs import cannot_run
-from precision_suite.jobs.two_commits import (
-    CaseDiff,
+from precision_suite.jobs.checkouts import (
     Checkout,
     Side,
     SideRuns,
-    judge_commits,
-    load_diff_references,
     side_environment,
     side_tree,
     tool_snapshot,
     train_side,
 )
+from precision_suite.jobs.execution import fresh_interpreter
+from precision_suite.jobs.reference import load_project
+from precision_suite.jobs.selection import Selection, selected_specs
+from precision_suite.jobs.train_specs import cannot_run
+from precision_suite.jobs.two_commits import CaseDiff, judge_commits, load_diff_references
 from precision_suite.jobs.usage import (
     DEFAULT_BASELINE_DIR,
     DEFAULT_RULES_FILE,

@@ -1,41 +1,46 @@
-"""What the model's own code quantized: every cast into an 8-bit float and every scaled GEMM,
-observed on sampled steps, forward and backward, from any code.
+"""What the model's own code quantized: every cast into an 8-bit float, every scaled GEMM and every
+GEMM on dequantized casts (fake quantization), observed on sampled steps, forward and backward,
+from any code. This module captures them; observed_operands.py describes each operand.
 
 The probes (recorder.py) answer "what would recipe R do to these tensors"; this module answers
 "what did this model do". A ``TorchDispatchMode`` sees each ATen op below autograd, so it sees
 torchao's ``Float8Linear`` (its casts, and the ``aten.mm`` that its ``Float8TrainingTensor``
 operands reach: the ``_scaled_mm`` call inside the subclass's own dispatch is not seen, its
-operands are), a user's own ``x.to(torch.float8_e4m3fn)`` and ``torch._scaled_mm``, and any
-library that uses either. For each scaled GEMM it records per operand:
+operands are), a user's own ``x.to(torch.float8_e4m3fn)`` and ``torch._scaled_mm``, fake
+quantization (torchao's QAT, a hand-written QDQ autograd Function), and any library that uses
+either. GEMMs, per operand:
 
-- what the operand is: element format (the data's dtype), scale granularity (from the scale's
-  shape), scale kind, and the GEMM's accumulation flag (``use_fast_accum``);
-- which operand it is: fprop / dgrad / wgrad and a / b (``recipes.GEMM_OPERANDS``), and the module
-  that ran it (in forward the innermost module running, in backward the innermost module whose
-  forward created the autograd node being run);
-- how good the quantization was: the SCIENCE.md sums of the high-precision tensor it came from
-  against the GEMM's reconstruction ``q * scale`` (``metrics.reconstruction_stats``);
-- whether it is a correct quantization of that tensor: elements that round-to-nearest of the
-  source at the GEMM's own scale cannot give (``operand_mismatch``, as for the suite's recipes).
+- scaled GEMMs: ``_scaled_mm`` and matrix products of torchao's float8 tensors;
+- fake-quantized GEMMs: a matrix product (``mm``, ``addmm``, ``bmm`` of one matrix: what matmul,
+  ``@``, ``F.linear`` and einsum reach) whose operand is a dequantized cast: the 8-bit output
+  cast back to a wider float, multiplied or divided by its scale, through views, reshapes,
+  transposes, expands and copies (``Dequantization``: the chain is replayed on the cast's output,
+  source and input, and on the scale's index, so blocks are read from the scale's shape, not its
+  values). The other operand, if plain, is described as unquantized (``fp32``); the accumulation
+  of such a GEMM is not modelled (it runs in float32). 8-bit data the model's code made from its
+  latest cast of that shape (a rounding kernel stepping codes) dequantizes as that cast;
+- in the backward of a linear-like module whose GEMMs took a quantized operand this step, a
+  GEMM of plain tensors (a straight-through backward): both operands ``fp32``, no quantized GEMM.
 
-Operands are described as the suite's recipes describe them (recipes.py): x as (tokens, in), W as
-(out, in), dy as (tokens, out), whatever orientation the GEMM received them in, so a granularity
-reads the same in a declaration and in an observation ("e4m3:row" is one scale per row of x).
+For each, what the operand is, which operand (fprop / dgrad / wgrad and a / b, and the module: in
+forward the innermost module running, in backward the innermost module whose forward created the
+autograd node being run), how good and whether correct (observed_operands.py).
 
-The high-precision source of an operand is found two ways: through the cast that produced its data
-(matched by value) and the scaling ops before that cast (``x * s``, ``x / d``, a clamp), or, in a
+The high-precision source of an operand is found through the cast that produced its data (linked,
+or matched by value) and the scaling ops before that cast (``x * s``, ``x / d``, a clamp), or, in a
 linear-like module, as the module's own input, weight or output gradient (``Observation.live``).
 Not seen: kernels compiled by ``torch.compile`` or written in C++/CUDA extensions whose casts do not
-go through ATen ops (Transformer Engine), and GEMMs on tensor subclasses other than torchao's
-float8 training tensor (``SUBCLASS_OPERANDS`` lists what is known).
+go through ATen ops (Transformer Engine), GEMMs on tensor subclasses other than torchao's
+float8 training tensor (``SUBCLASS_OPERANDS`` lists what is known), and dequantizations through
+ops the chain does not follow (indexing, concatenation, a scale applied twice): such a GEMM is not
+described and its casts count as unconsumed.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,26 +52,21 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from precision_suite.numerics.formats import ElementType, get_format
-from precision_suite.numerics.metrics import QuantStats, reconstruction_stats
-from precision_suite.numerics.quantization import round_by_bits
+from precision_suite.training.observed_operands import (
+    CONTRACTION_AXIS,
+    ObservedOperand,
+    Scaling,
+    block_factor,
+    describe_operand,
+    low_precision_format,
+)
 
 aten = torch.ops.aten
 
-# dtype name -> the suite's element format of the data; scale dtypes are described apart
-LOW_PRECISION = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
-                 "float8_e5m2fnuz": "e5m2fnuz"}
 GEMMS = ("fprop", "dgrad", "wgrad")
-# the axis each operand reduces over in the suite's orientation: x (tokens, in) and W (out, in)
-# over `in` in fprop; dy (tokens, out) over `out` and W over `out` in dgrad; dy and x over tokens
-CONTRACTION_AXIS = {"fprop.a": 1, "fprop.b": 1, "dgrad.a": 1, "dgrad.b": 0, "wgrad.a": 0, "wgrad.b": 0}
 # the module tensor each operand is, for a linear-like module (Observation.live)
 OPERAND_TENSORS = {"fprop.a": "x", "fprop.b": "weight", "dgrad.a": "dy", "dgrad.b": "weight",
                    "wgrad.a": "dy", "wgrad.b": "x"}
-# consumed elements may be off by rounding of the recomputed scaled source: a product or quotient
-# recomputed with the reciprocal scale is within 2 float32 ulps of the one the kernel computed
-_SOURCE_SLACK = 2.0**-22
-
 _CASTS = {aten._to_copy.default}
 _SCALINGS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div"}
 _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default}
@@ -74,24 +74,31 @@ _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.c
 _MATRIX_PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 
 
-@dataclass(frozen=True)
-class Scaling:
-    """How a quantized tensor relates to its high-precision source: ``op`` "mul" (q = x * factor,
-    torchao's convention) or "div" (q = x / factor, the dequantization scale `_scaled_mm` takes)."""
+def _as_reshape(tensor: Tensor, size: Sequence[int]) -> Tensor:
+    return tensor.reshape(size)  # a replayed view may not be viewable (an expanded id tensor)
 
-    op: str
-    factor: Tensor
 
-    def scaled(self, x: Tensor) -> Tensor:
-        """The source in the quantized grid's units."""
-        return x * self.factor if self.op == "mul" else x / self.factor
+def _same(tensor: Tensor, *_: Any, **__: Any) -> Tensor:
+    return tensor
 
-    def dequantized(self, q: Tensor) -> Tensor:
-        """The reconstruction a GEMM with this scale computes with."""
-        return q / self.factor if self.op == "mul" else q * self.factor
 
-    def transposed(self) -> Scaling:
-        return Scaling(self.op, self.factor.t() if self.factor.dim() == 2 else self.factor)
+def _first_matrix(tensor: Tensor) -> Tensor:
+    return tensor[0]
+
+
+def _replay(op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[Tensor], Tensor]:
+    """The op applied to another tensor with the same arguments."""
+    return lambda tensor: op(tensor, *args, **kwargs)
+
+
+# ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
+# tensors at the GEMM (None: the op itself)
+_RELINKS: dict[Any, Callable[..., Tensor] | None] = {
+    aten.view.default: _as_reshape, aten._unsafe_view.default: _as_reshape, aten.reshape.default: _as_reshape,
+    aten.t.default: None, aten.transpose.int: None, aten.permute.default: None, aten.expand.default: None,
+    aten.unsqueeze.default: None, aten.squeeze.dim: None, aten.squeeze.default: None,
+    aten.clone.default: _same, aten.alias.default: _same, aten.detach.default: _same,
+}
 
 
 @dataclass
@@ -104,38 +111,74 @@ class Cast:
     source: Tensor | None  # the tensor before the scaling op (None: no scaling op seen)
     scaling: Scaling | None
     consumed: bool = False  # an observed GEMM took its output as an operand
+    origin: Cast | None = None  # the cast whose output the model's code changed into this one's
 
-
-@dataclass
-class ObservedOperand:
-    """One operand of one observed scaled GEMM, in the suite's orientation (module docstring)."""
-
-    module: str
-    gemm: str  # fprop | dgrad | wgrad
-    operand: str  # "fprop.a" ... "wgrad.b"
-    fmt: str  # element format: "e4m3", "e5m2", ...
-    granularity: str  # "tensor", "row", "column" or "RxC" blocks
-    block: str  # the block one scale covers, "RxC" ("tensor": one scale), whatever its granularity's name
-    scale: str  # scale kind: "float32", "float32 pow2", "float8_e8m0fnu", ...
-    fast_accumulation: bool | None  # the GEMM's use_fast_accum, None where the call does not say
-    stats: QuantStats | None  # None: the source was not found
-    mismatched: int  # consumed elements round-to-nearest of the source cannot give
-    checked: int  # elements compared (0: the source was not found or the format is unknown)
-
-    @property
-    def text(self) -> str:
-        """The recipe vocabulary's "<fmt>:<layout>" (recipes.Operand.text)."""
-        return f"{self.fmt}:{self.granularity}"
+    def consume(self) -> None:
+        self.consumed = True
+        if self.origin is not None:
+            self.origin.consumed = True
 
 
 @dataclass
 class _GemmOperand:
-    """A GEMM argument as received: data (low precision), its scaling, and which tensor role a
-    subclass says it has (torchao's GemmInputRole) when it says so."""
+    """A GEMM argument as received: data (low precision; a high-precision tensor where `scaling` is
+    None: an unquantized operand), its scaling, and which tensor role a subclass says it has
+    (torchao's GemmInputRole) when it says so. A dequantized operand also names its cast and that
+    cast's source and input in the executed orientation (`Dequantization.operand`)."""
 
     data: Tensor
-    scaling: Scaling
+    scaling: Scaling | None
     role: str | None = None
+    cast: Cast | None = None
+    source: Tensor | None = None
+    cast_input: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Dequantization:
+    """How a tensor the mode saw derives from an observed cast's output: through `chain` (the
+    views, reshapes and transposes since the cast, replayed on the cast's tensors at the GEMM),
+    cast back to a wider float (`wide`), and multiplied or divided by a scale (`scaling`, after the
+    first `at` ops of the chain, on a tensor of shape `shape_at`). Fake quantization: a GEMM that
+    takes such a tensor computes with the dequantized 8-bit values."""
+
+    cast: Cast
+    chain: tuple[Callable[[Tensor], Tensor], ...] = ()
+    wide: bool = False
+    scaling: Scaling | None = None
+    at: int = 0
+    shape_at: tuple[int, ...] = ()
+
+    def then(self, replay: Callable[[Tensor], Tensor]) -> Dequantization:
+        return replace(self, chain=(*self.chain, replay))
+
+    def operand(self, tensor: Tensor) -> _GemmOperand | None:
+        """The GEMM operand `tensor` (2-D, as the GEMM received it) is: the cast's output, source
+        and input through the same chain, and the scale as one factor per block of `tensor`
+        (``_block_factor``); the cast's own scale where nothing scaled after the cast (a GEMM whose
+        result is scaled instead). None where the chain does not give `tensor`'s shape."""
+        cast = self.cast
+
+        def replayed(t: Tensor | None) -> Tensor | None:
+            if t is None or t.shape != cast.output.shape:
+                return None
+            t = t.detach()
+            for step in self.chain:
+                t = step(t)
+            return t
+
+        data = replayed(cast.output)
+        if data is None or data.shape != tensor.shape or data.dim() != 2:
+            return None
+        if self.scaling is None:
+            scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
+        else:
+            factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at:])
+            if factor is None:
+                return None
+            scaling = Scaling(self.scaling.op, factor)
+        return _GemmOperand(data, scaling, cast=cast, source=replayed(cast.source),
+                            cast_input=replayed(cast.cast_input))
 
 
 @dataclass(frozen=True)
@@ -188,11 +231,6 @@ def _subclass_reader(tensor: object) -> Callable[[Tensor], _GemmOperand] | None:
     return None
 
 
-def low_precision_format(dtype: torch.dtype) -> str | None:
-    """The element format of a low-precision dtype this module observes, None for any other."""
-    return LOW_PRECISION.get(str(dtype).removeprefix("torch."))
-
-
 class Observation(TorchDispatchMode):
     """The dispatch mode of one sampled step (module docstring).
 
@@ -211,6 +249,8 @@ class Observation(TorchDispatchMode):
         self.casts: list[Cast] = []
         self._scaled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> (op, source, factor)
         self._clamped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> input
+        self._links: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> Dequantization of a cast's output
+        self._quantized: set[str] = set()  # modules whose GEMMs took a quantized operand this step
         self._backward_gemms: dict[tuple[str, int], int] = {}  # (module, autograd node) -> GEMMs seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -218,19 +258,32 @@ class Observation(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _CASTS or func is aten.copy_.default:
             cast_input, output = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
-            if isinstance(output, Tensor) and low_precision_format(output.dtype) and isinstance(cast_input, Tensor) \
-                    and cast_input.is_floating_point() and low_precision_format(cast_input.dtype) is None:
-                self._cast(cast_input, output)
+            if isinstance(output, Tensor) and isinstance(cast_input, Tensor) and cast_input.is_floating_point():
+                if low_precision_format(output.dtype) and low_precision_format(cast_input.dtype) is None:
+                    self._cast(cast_input, output)
+                elif low_precision_format(output.dtype) is None and output.is_floating_point():
+                    link = self._links.get(cast_input) or self._changed_cast(cast_input)
+                    if link is not None and not link.wide:  # 8 bits back to a wider float
+                        self._links[output] = replace(link, wide=True)
         elif func in _SCALINGS:
             if isinstance(out, Tensor) and out.is_floating_point() and isinstance(args[0], Tensor):
                 self._scaled[out] = (_SCALINGS[func], args[0], args[1])
+                self._dequantizing(func, args, out)
         elif func in _CLAMPS:
             if isinstance(out, Tensor) and isinstance(args[0], Tensor):
                 self._clamped[out] = args[0]
+        elif func in _RELINKS:
+            link = self._links.get(args[0]) if isinstance(args[0], Tensor) else None
+            if link is not None and isinstance(out, Tensor):
+                self._links[out] = link.then(_replay(_RELINKS[func] or func, args[1:], kwargs))
         elif func is aten._scaled_mm.default:
             self._scaled_mm(*args, **kwargs)
         elif func in _MATRIX_PRODUCTS:
-            self._subclass_gemm(func, args)
+            readers = [_subclass_reader(arg) for arg in args[-2:]]
+            if all(reader is not None for reader in readers):
+                self._subclass_gemm(func, args)
+            elif not any(readers):
+                self._product(func, args[-2:])
         return out
 
     # -- what the mode records ---------------------------------------------------------------
@@ -247,6 +300,56 @@ class Observation(TorchDispatchMode):
             return
         source, scaling = self._unscaled(cast_input)
         self.casts.append(Cast(module, cast_input, output, source, scaling))
+        self._links[output] = Dequantization(self.casts[-1])
+
+    def _changed_cast(self, data: Tensor) -> Dequantization | None:
+        """8-bit data no observed cast produced, taken as the module's latest cast of that shape
+        and dtype changed by the model's own code (a rounding kernel that steps codes through
+        integer views): its input and source are that cast's, its values its own."""
+        if low_precision_format(data.dtype) is None:
+            return None
+        module, _ = self._where()
+        cast = next((c for c in reversed(self.casts) if c.module == module and c.output.shape == data.shape
+                     and c.output.dtype == data.dtype), None)
+        return None if cast is None else Dequantization(replace(cast, output=data, consumed=False, origin=cast))
+
+    def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
+        """A dequantized 8-bit tensor multiplied (q * s: the reconstruction divides by s's
+        reciprocal, Scaling "div") or divided (q / d: Scaling "mul") by its scale."""
+        a, b = args[0], args[1]
+        link = self._links.get(a) if isinstance(a, Tensor) else None
+        if link is None and func is aten.mul.Tensor and isinstance(b, Tensor):
+            link, a, b = self._links.get(b), b, a
+        if link is None or not link.wide or link.scaling is not None or out.shape != a.shape:
+            return
+        factor = b.detach() if isinstance(b, Tensor) else torch.tensor(float(b), dtype=torch.float32,
+                                                                        device=out.device)
+        scaling = Scaling("div" if func is aten.mul.Tensor else "mul", factor)
+        self._links[out] = replace(link, scaling=scaling, at=len(link.chain), shape_at=tuple(out.shape))
+
+    def _product(self, func: Any, pair: Sequence[Any]) -> None:
+        """A matrix product of plain tensors: a fake-quantized GEMM where an operand is a
+        dequantized cast (the other described as unquantized, fp32), an unquantized GEMM where
+        none is but it runs in the backward of a linear-like module whose GEMMs took quantized
+        operands this step (a straight-through backward), else not the model's quantization."""
+        links = [self._links.get(t) for t in pair]
+        if func is aten.bmm.default:  # one matrix of a batch: the links go by the 3-D tensors
+            if any(t.dim() != 3 or t.shape[0] != 1 for t in pair):
+                return
+            links = [None if link is None else link.then(_first_matrix) for link in links]
+            pair = [t[0] for t in pair]
+        dequantized = [link if link is not None and link.wide else None for link in links]
+        if not any(dequantized):
+            module, backward = self._where()
+            if not (backward and module in self._quantized and module in self.live):
+                return
+        operands = []
+        for tensor, link in zip(pair, dequantized):
+            operand = link.operand(tensor) if link is not None else _GemmOperand(tensor.detach(), None)
+            if operand is None:
+                return  # a chain this cannot replay: not described rather than misdescribed
+            operands.append(operand)
+        self._gemm(*operands, None)
 
     def _unscaled(self, tensor: Tensor) -> tuple[Tensor | None, Scaling | None]:
         """The tensor before the scaling op (and clamps) that made `tensor`, and that scaling."""
@@ -288,44 +391,64 @@ class Observation(TorchDispatchMode):
         if not self.wanted(module):
             return
         gemm, swapped = self._which_gemm(module, backward, a, b)
-        if self.on_gemm is not None:
+        quantized = a.scaling is not None or b.scaling is not None
+        if quantized:
+            self._quantized.add(module)
+        # a scaled GEMM as the hardware runs it; a fake-quantized one runs in float32
+        if self.on_gemm is not None and a.scaling is not None and b.scaling is not None and a.cast is b.cast is None:
             self.on_gemm(GemmCall(module, gemm, a.data, a.scaling.dequantized(torch.ones_like(a.scaling.factor)),
                                   b.data, b.scaling.dequantized(torch.ones_like(b.scaling.factor)), fast))
         sides = (b, a) if swapped else (a, b)
         for side, operand in zip(("a", "b"), sides):
             executed_axis = 0 if (operand is b) else 1  # A (M, K) reduces over columns, B (K, N) over rows
-            self.operands.append(self._describe(module, gemm, f"{gemm}.{side}", operand, executed_axis, fast))
+            described = self._describe(module, gemm, f"{gemm}.{side}", operand, executed_axis, fast)
+            self.operands.append(replace(described, quantized_gemm=quantized))
 
     def _which_gemm(self, module: str, backward: bool, a: _GemmOperand, b: _GemmOperand) -> tuple[str, bool]:
         """(fprop | dgrad | wgrad, whether the executed a and b are the suite's b and a).
 
         A subclass that names its operands' roles (torchao) says it exactly. Otherwise: forward is
-        fprop; in backward, a GEMM with a weight operand (the source of its cast is a parameter)
-        is dgrad, one whose output has the shape of the module's weight is wgrad, and otherwise
-        the first scaled GEMM a backward node runs for the module is dgrad, the second wgrad."""
+        fprop; in backward, a GEMM with a weight operand (it, or the source of its cast, is the
+        module's weight or a parameter) is dgrad; else it is wgrad, its a the module's input
+        (dW^T = x^T dy) where a is, or where its output has the shape of the module's (non-square)
+        weight transposed; else the first GEMM a backward node runs for the module is dgrad, the
+        second wgrad."""
         roles = frozenset({a.role, b.role})
         if roles in _TORCHAO_GEMMS:
             gemm = _TORCHAO_GEMMS[roles]
             return gemm, a.role != _TORCHAO_SIDES[gemm][0]
-        weight_side = [self._is_weight(module, operand) for operand in (a, b)]
+        weight_side = [self._is_tensor(module, operand, "weight") for operand in (a, b)]
         if not backward:
             return "fprop", weight_side[0] and not weight_side[1]
+        key = (module, id(torch._C._current_autograd_node()))
+        seen = self._backward_gemms[key] = self._backward_gemms.get(key, 0) + 1
         if any(weight_side):
             return "dgrad", weight_side[0] and not weight_side[1]
+        if self._is_tensor(module, a, "x"):
+            return "wgrad", True
         weight = self.live.get(module, {}).get("weight")
         out_shape = (a.data.shape[0], b.data.shape[1])
         if weight is not None and weight.shape[0] != weight.shape[1] and out_shape in (tuple(weight.shape),
                                                                                         tuple(weight.shape[::-1])):
-            return "wgrad", False
-        key = (module, id(torch._C._current_autograd_node()))
-        seen = self._backward_gemms[key] = self._backward_gemms.get(key, 0) + 1
+            return "wgrad", out_shape == tuple(weight.shape[::-1])
         return ("dgrad" if seen == 1 else "wgrad"), False
 
-    def _is_weight(self, module: str, operand: _GemmOperand) -> bool:
-        cast = self._cast_of(operand.data)
-        source = cast[0].source if cast is not None else None
-        weight = self.live.get(module, {}).get("weight")
-        return isinstance(source, torch.nn.Parameter) or (source is not None and source is weight)
+    def _is_tensor(self, module: str, operand: _GemmOperand, name: str) -> bool:
+        """Whether the operand is (quantized from) the module's own tensor `name` ("x", "weight";
+        a weight: or any parameter): the same memory."""
+        if operand.scaling is None:
+            tensor: Tensor | None = operand.data
+        elif operand.cast is not None:
+            tensor = operand.cast.source
+        else:
+            found = self._cast_of(operand.data)
+            tensor = found[0].source if found is not None else None
+        if tensor is None:
+            return False
+        if name == "weight" and isinstance(tensor, torch.nn.Parameter):
+            return True
+        own = self.live.get(module, {}).get(name)
+        return own is not None and tensor.data_ptr() == own.data_ptr() and tensor.numel() == own.numel()
 
     def _cast_of(self, data: Tensor) -> tuple[Cast, bool] | None:
         """The latest observed cast whose output is `data` (or its transpose), and whether it is
@@ -344,38 +467,29 @@ class Observation(TorchDispatchMode):
 
     def _describe(self, module: str, gemm: str, operand: str, given: _GemmOperand, executed_axis: int,
                   fast: bool | None) -> ObservedOperand:
-        fmt = low_precision_format(given.data.dtype) or str(given.data.dtype).removeprefix("torch.")
+        """The operand in the suite's orientation, with the high-precision tensor it came from and
+        its cast's input where found (its cast marked consumed)."""
         turn = executed_axis != CONTRACTION_AXIS[operand]  # executed orientation -> the suite's
         data = given.data.t() if turn else given.data
+        if given.scaling is None:
+            return describe_operand(module, gemm, operand, data, None, None, None, fast)
         scaling = given.scaling.transposed() if turn else given.scaling
-        factor = _broadcast_factor(scaling.factor, data.shape)
-        granularity = _granularity(scaling.factor, data.shape, factor)
-        block = "tensor" if granularity in ("tensor", "unknown") else \
-            f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
-        found = self._cast_of(given.data)
-        if found is not None:
-            found[0].consumed = True
-        source, cast_input = self._source(module, operand, data, found, turn)
-        q = data.float()
-        if factor is None:
-            return ObservedOperand(module, gemm, operand, fmt, granularity, block, _scale_kind(scaling.factor),
-                                   fast, None, 0, 0)
-        dequantized = Scaling(scaling.op, factor).dequantized(q)
-        stats, mismatched, checked = None, 0, 0
-        if source is not None:
-            scaled = Scaling(scaling.op, factor).scaled(source)
-            # the cast's own input, where the GEMM's scale agrees with the cast's: exact, no slack
-            exact = cast_input is not None and bool(
-                ((cast_input - scaled).abs() <= scaled.abs() * _SOURCE_SLACK).all())
-            reference = cast_input if exact else scaled
-            element = _element(fmt)
-            threshold = element.overflow_threshold if element is not None else math.inf
-            stats = reconstruction_stats(source, dequantized, reference.abs() > threshold)
-            if element is not None:
-                slack = 0.0 if exact else _SOURCE_SLACK
-                mismatched, checked = int(_unlike_nearest(q, reference, element, slack)), q.numel()
-        return ObservedOperand(module, gemm, operand, fmt, granularity, block, _scale_kind(scaling.factor), fast,
-                               stats, mismatched, checked)
+        if given.cast is not None:  # a dequantized cast: its tensors came with it, as executed
+            given.cast.consume()
+            source, cast_input = ((None if t is None else (t.t() if turn else t).float())
+                                  for t in (given.source, given.cast_input))
+            source = source if source is not None else self._live_source(module, operand, data)
+        else:
+            found = self._cast_of(given.data)
+            if found is not None:
+                found[0].consumed = True
+            source, cast_input = self._source(module, operand, data, found, turn)
+        return describe_operand(module, gemm, operand, data, scaling, source, cast_input, fast)
+
+    def _live_source(self, module: str, operand: str, data: Tensor) -> Tensor | None:
+        live = self.live.get(module, {}).get(OPERAND_TENSORS[operand])
+        live = None if live is None else live.detach().float().reshape(-1, live.shape[-1])
+        return live if live is not None and live.shape == data.shape else None
 
     def _source(self, module: str, operand: str, data: Tensor, found: tuple[Cast, bool] | None,
                 turn: bool) -> tuple[Tensor | None, Tensor | None]:
@@ -420,8 +534,8 @@ class Observation(TorchDispatchMode):
         for cast in self.casts:
             if not cast.consumed:
                 step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.output.numel()
-        self.operands, self.casts = [], []
-        self._scaled, self._clamped = WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self.operands, self.casts, self._quantized = [], [], set()
+        self._scaled, self._clamped, self._links = WeakIdKeyDictionary(), WeakIdKeyDictionary(), WeakIdKeyDictionary()
         return step
 
 
@@ -509,69 +623,3 @@ def unobserved() -> Iterator[None]:
 def observing() -> bool:
     """Whether an observation mode is active (a sampled step of an instrumented model)."""
     return any(isinstance(mode, Observation) for mode in _get_current_dispatch_mode_stack())
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _element(fmt: str) -> ElementType | None:
-    try:
-        return get_format(fmt).element
-    except ValueError:
-        return None
-
-
-def _broadcast_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
-    """The scale factor broadcast over a 2-D operand: one per tensor, row, column or block (a
-    factor of shape (R/r, C/c) repeated r and c times); None for a layout this cannot read
-    (swizzled MX scales)."""
-    if factor.numel() == 1:
-        return factor.reshape(1, 1)
-    if factor.dim() != 2:
-        return None
-    rows, cols = shape
-    fr, fc = factor.shape
-    if fr == 0 or fc == 0 or rows % fr or cols % fc:
-        return None
-    return factor.repeat_interleave(rows // fr, dim=0).repeat_interleave(cols // fc, dim=1)
-
-
-def _granularity(factor: Tensor, shape: torch.Size, broadcast: Tensor | None) -> str:
-    """"tensor", "row" (one scale per row), "column", "RxC" blocks, or "unknown"."""
-    if factor.numel() == 1:
-        return "tensor"
-    if broadcast is None:
-        return "unknown"
-    rows, cols = shape
-    block = (rows // factor.shape[0], cols // factor.shape[1])
-    if block == (1, cols):
-        return "row"
-    if block == (rows, 1):
-        return "column"
-    return f"{block[0]}x{block[1]}"
-
-
-def _scale_kind(factor: Tensor) -> str:
-    """The scale's dtype, with " pow2" when every finite nonzero scale is a power of two."""
-    kind = str(factor.dtype).removeprefix("torch.")
-    if factor.is_floating_point() and factor.element_size() >= 2:
-        values = factor.detach().float()
-        nonzero = values[(values != 0) & torch.isfinite(values)].abs()
-        if nonzero.numel() and bool((torch.frexp(nonzero).mantissa == 0.5).all()):
-            kind += " pow2"
-    return kind
-
-
-def _unlike_nearest(q: Tensor, scaled: Tensor, element: ElementType, slack: float) -> Tensor:
-    """Elements of q (low-precision values as float32) that round-to-nearest-even of the scaled
-    source cannot give, saturating at +-max, allowing the source the relative `slack` of its
-    recomputation: q must lie between the roundings of the interval's ends (rounding is
-    monotone). A non-finite source admits NaN and +-max."""
-    finite = torch.isfinite(scaled)
-    value = torch.where(finite, scaled, 0.0)
-    low = value - value.abs() * slack
-    high = value + value.abs() * slack
-    low = round_by_bits(low.clamp(-element.max, element.max), element)
-    high = round_by_bits(high.clamp(-element.max, element.max), element)
-    admitted = torch.where(finite, (q >= low) & (q <= high), q.isnan() | (q.abs() == element.max))
-    return (~admitted).sum()

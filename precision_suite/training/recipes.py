@@ -67,7 +67,8 @@ from precision_suite.numerics.accumulation import (
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
 from precision_suite.numerics.quantization import quantize
-from precision_suite.training.observation import CONTRACTION_AXIS, GemmArguments, gemm_received, unobserved
+from precision_suite.training.observation import GemmArguments, gemm_received, unobserved
+from precision_suite.training.observed_operands import CONTRACTION_AXIS
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 
 ROUNDINGS = ("nearest", "stochastic")

@@ -73,11 +73,11 @@ from precision_suite.training.observation import (
     Observation,
     StepObservation,
     describe_observation,
-    low_precision_format,
     sequence_number,
     tag_nodes,
     unobserved,
 )
+from precision_suite.training.observed_operands import low_precision_format
 from precision_suite.training.probes import (
     TENSOR_ROLES,
     Scheme,
@@ -445,6 +445,8 @@ class Recorder:
         blocks = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
         gemms = np.zeros((*shape, len(GEMMS)), dtype=np.int64)
         accumulation = np.full((*shape, len(GEMMS)), "", dtype=object)
+        targets = np.full((*shape, len(GEMM_OPERANDS)), np.nan)
+        shapes = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
         unconsumed = np.zeros(shape, dtype=np.int64)
         for i, step in enumerate(self._observed):
             for item in step.operands:
@@ -454,14 +456,16 @@ class Recorder:
                 formats[i, m, o] = _joined(formats[i, m, o], item.text)
                 scales[i, m, o] = _joined(scales[i, m, o], item.scale)
                 blocks[i, m, o] = _joined(blocks[i, m, o], item.block)
-                if item.operand.endswith(".a"):  # one GEMM, two operands
+                shapes[i, m, o] = _joined(shapes[i, m, o], item.shape)
+                targets[i, m, o] = np.fmax(targets[i, m, o], item.target)  # several GEMMs: the largest
+                if item.operand.endswith(".a") and item.quantized_gemm:  # one GEMM, two operands
                     gemms[i, m, g] += 1
                     if item.fast_accumulation is not None:
                         mode = "fast" if item.fast_accumulation else "precise"
                         accumulation[i, m, g] = _joined(accumulation[i, m, g], mode)
             for module, numel in step.unconsumed.items():
                 unconsumed[i, where[module]] = numel
-        return ObservedSteps(sums, formats, blocks, scales, gemms, accumulation, unconsumed)
+        return ObservedSteps(sums, formats, blocks, scales, targets, shapes, gemms, accumulation, unconsumed)
 
     def _operand_counts(self, where: Mapping[str, int]) -> OperandCounts:
         counts = np.zeros((len(self.steps), len(where), len(GEMM_OPERANDS), 2), dtype=np.int64)

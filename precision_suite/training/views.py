@@ -27,8 +27,8 @@ from precision_suite.training.recipes import GEMM_OPERANDS
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")
 OPERAND_VARIABLES = ("operand_mismatch", "operand_numel")  # per module already: the module view keeps them
-OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "observed_gemms", "observed_accumulation",
-                      "observed_unconsumed")
+OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "observed_target", "observed_shape",
+                      "observed_gemms", "observed_accumulation", "observed_unconsumed")
 # the accumulation error's columns: the GEMM as it ran (its recipe's mode, or the flag of the
 # model's own scaled GEMM call), then what each mode of WHAT_IF would give on the same operands
 AS_RUN = "as-run"
@@ -44,6 +44,8 @@ class ObservedSteps(NamedTuple):
     formats: np.ndarray  # (step, module, operand) str: "<fmt>:<granularity>", "" where none was seen
     blocks: np.ndarray  # (step, module, operand) str: the block one scale covers, "RxC" or "tensor"
     scales: np.ndarray  # (step, module, operand) str: the scale's kind
+    targets: np.ndarray  # (step, module, operand) float64: the scale's target (observation.scale_target), NaN: none
+    shapes: np.ndarray  # (step, module, operand) str: the operand's "RxC" in the suite's orientation
     gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
     accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)
     unconsumed: np.ndarray  # (step, module) int64: elements cast to 8 bits that no observed GEMM took
@@ -223,9 +225,20 @@ def _observed_vars(observed: ObservedSteps) -> dict[str, Any]:
         "observed_scale": (per_operand, observed.scales, {
             "long_name": "observed scale kind", "units": "1",
             "description": "dtype of each operand's scale, with pow2 when every scale is a power of two"}),
+        "observed_target": (per_operand, observed.targets, {
+            "long_name": "observed scale target", "units": "1",
+            "description": "where the operand's scale maps each block's amax, as a fraction of the format's "
+                           "largest finite value (1.0: amax -> 448 in E4M3), the median over blocks to 2 "
+                           "significant digits; with power-of-two scales the upper end of the bracket "
+                           "(T/2, T] they leave, a power of two; NaN where none was observed"}),
+        "observed_shape": (per_operand, observed.shapes, {
+            "long_name": "observed operand shape", "units": "1",
+            "description": "rows x columns of the operand as the recipes describe it (a block clips to it); "
+                           "not part of the recipe"}),
         "observed_gemms": (per_gemm, observed.gemms, {
             "long_name": "observed scaled GEMMs", "units": "1",
-            "description": "scaled GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step"}),
+            "description": "GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step with a quantized "
+                           "operand: scaled GEMMs and matrix products of dequantized casts (fake quantization)"}),
         "observed_accumulation": (per_gemm, observed.accumulation, {
             "long_name": "observed GEMM accumulation flag", "units": "1",
             "description": "fast (use_fast_accum) or precise, as the GEMM call said; empty where it did not"}),

@@ -2,18 +2,19 @@
 judged against the reference run and against what the case expects.
 
 - `check_observed_recipe`: per module, the scaled GEMMs observed and their accumulation flags, and
-  per module and operand the format, scaling block and scale kind, step by step, against the
+  per module and operand the format, scaling block, scale kind and scale target, step by step, against the
   reference (a baseline's first member, or BASE's run in `diff`). Any change is a regression that
   names the module and what changed: a recipe is a decision, not a noisy number.
 - `check_expected`: against the recipe the case declares for its modules (`RunSpec.expect`: module
   globs and recipe names, the vocabulary of `[recipes.NAME]`); a module expected to quantize that
-  quantizes nothing fails with that sentence.
+  quantizes nothing fails with that sentence, counting what it cast that no GEMM consumed.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -59,6 +60,9 @@ def check_observed_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint
     recipe_changes = [(m, d) for m, d in _differences(current, reference, "observed_format", "operand", steps, "")]
     recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_block", "operand", steps, "")]
     recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_scale", "operand", steps, "")]
+    if "observed_target" in current and "observed_target" in reference:  # a reference from before targets: none
+        recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_target", "operand", steps,
+                                                           math.nan)]
     reported: set[tuple[str, str]] = set()
     for module, differences in recipe_changes:
         for step, operand, _, _ in differences:
@@ -92,15 +96,20 @@ def check_expected(current: xr.Dataset) -> list[Finding]:
             continue
         rule = f"expect {pattern} = {recipe_name}"
         observed = {operand: _observed_texts(current, module, operand) for operand in GEMM_OPERANDS}
-        if recipe_name != HIGH_PRECISION and not any(texts for texts, _ in observed.values()):
+        quantized = any(text != HIGH_PRECISION for texts, _, _ in observed.values() for text in texts)
+        if recipe_name != HIGH_PRECISION and not quantized:
+            cast = int(current["observed_unconsumed"].sel(module=module).sum()) \
+                if "observed_unconsumed" in current else 0
+            what = (f"{cast:,} elements were cast to 8-bit floats in it, but no GEMM observed consumed them"
+                    if cast else "no cast to an 8-bit float and no scaled GEMM was observed in it")
             findings.append(_expected(case, module, None, rule,
-                                      f"{module} is expected to quantize as {recipe_name} but quantizes nothing: no "
-                                      "cast to an 8-bit float and no scaled GEMM was observed in it"))
+                                      f"{module} is expected to quantize as {recipe_name} but quantizes nothing: "
+                                      f"{what}"))
             continue
         recipe = None if recipe_name == HIGH_PRECISION else get_recipe(recipe_name)
-        for operand, (texts, blocks) in observed.items():
+        for operand, (texts, blocks, shapes) in observed.items():
             wanted = Operand(HIGH_PRECISION) if recipe is None else recipe.operand(operand)
-            if not _matches(wanted, texts, blocks):
+            if not _matches(wanted, texts, blocks, shapes):
                 gemm, side = operand.split(".")
                 shown = "|".join(texts) or NOT_OBSERVED
                 findings.append(_expected(case, module, operand, rule,
@@ -116,6 +125,13 @@ def _steps(ds: xr.Dataset) -> list[Any]:
     return [to_python(s) for s in ds["step"].values] if "step" in ds.coords else []
 
 
+def _empty(value: Any, empty: Any) -> bool:
+    """Whether a cell is `empty` (NaN is empty where NaN is)."""
+    if isinstance(empty, float) and math.isnan(empty):
+        return isinstance(value, float) and math.isnan(value)
+    return value == empty
+
+
 def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any], empty: Any) -> dict[tuple, Any]:
     """(step, module, along-value) -> value of variable `name`; absent cells read as `empty`."""
     if name not in ds:
@@ -126,7 +142,7 @@ def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any], empty: A
         for j, module in enumerate(da["module"].values):
             for k, key in enumerate(da[along].values):
                 value = to_python(da.values[i, j, k])
-                if value != empty:
+                if not _empty(value, empty):
                     table[step, str(module), str(key)] = value
     return table
 
@@ -139,7 +155,7 @@ def _differences(current: xr.Dataset, reference: xr.Dataset, name: str, along: s
     by_module: dict[str, list[tuple[Any, str, Any, Any]]] = {}
     for step, module, key in sorted(set(now) | set(before), key=lambda k: (steps.index(k[0]), k[1], k[2])):
         b, c = before.get((step, module, key), empty), now.get((step, module, key), empty)
-        if b != c:
+        if not (_empty(b, empty) and _empty(c, empty)) and b != c:
             by_module.setdefault(module, []).append((step, key, b, c))
     yield from by_module.items()
 
@@ -151,14 +167,20 @@ def _row(ds: xr.Dataset, name: str, module: str, step: Any) -> list[Any]:
 
 
 def _operand_text(ds: xr.Dataset, module: str, operand: str, step: Any) -> str:
-    """"e4m3:row (1x64, float32 pow2)": format, block and scale kind of one operand at one step."""
+    """"e4m3:row (1x64, float32 pow2, target 1.0)": format, block, scale kind and scale target of
+    one operand at one step ("fp32": taken unquantized)."""
     if "observed_format" not in ds or module not in ds["module"].values:
         return NOT_OBSERVED
     cell = {name: str(ds[name].sel(step=step, module=module, operand=operand).values)
             for name in ("observed_format", "observed_block", "observed_scale") if name in ds}
     if not cell.get("observed_format"):
         return NOT_OBSERVED
-    return f"{cell['observed_format']} ({cell.get('observed_block', '?')}, {cell.get('observed_scale', '?')})"
+    if cell["observed_format"] == HIGH_PRECISION:
+        return HIGH_PRECISION
+    target = float(ds["observed_target"].sel(step=step, module=module, operand=operand)) \
+        if "observed_target" in ds else math.nan
+    shown = "" if math.isnan(target) else f", target {target:g}"
+    return f"{cell['observed_format']} ({cell.get('observed_block', '?')}, {cell.get('observed_scale', '?')}{shown})"
 
 
 def _later(differences: Sequence[tuple]) -> str:
@@ -166,24 +188,26 @@ def _later(differences: Sequence[tuple]) -> str:
     return f" (and at {len(steps) - 1} later sampled step{'s' if len(steps) > 2 else ''})" if len(steps) > 1 else ""
 
 
-def _observed_texts(ds: xr.Dataset, module: str, operand: str) -> tuple[list[str], list[str]]:
-    """Every format text and block one operand was observed with over the run."""
+def _observed_texts(ds: xr.Dataset, module: str, operand: str) -> tuple[list[str], list[str], list[str]]:
+    """Every format text, block and operand shape one operand was observed with over the run."""
     if "observed_format" not in ds:
-        return [], []
-    texts, blocks = {}, {}
-    for name, into in (("observed_format", texts), ("observed_block", blocks)):
+        return [], [], []
+    texts, blocks, shapes = {}, {}, {}
+    for name, into in (("observed_format", texts), ("observed_block", blocks), ("observed_shape", shapes)):
         if name in ds:
             for value in ds[name].sel(module=module, operand=operand).values:
                 into.update(dict.fromkeys(part for part in str(value).split("|") if part))
-    return list(texts), list(blocks)
+    return list(texts), list(blocks), list(shapes)
 
 
-def _matches(wanted: Operand, texts: Sequence[str], blocks: Sequence[str]) -> bool:
+def _matches(wanted: Operand, texts: Sequence[str], blocks: Sequence[str], shapes: Sequence[str] = ()) -> bool:
     """Whether every observed quantization of an operand is the expected one: the same element
     format and the same scaling (a layout word row/column/tensor as observed, or a block shape
-    as the block one scale covers); fp32 expects nothing observed."""
+    as the block one scale covers, clipped to the operand where its shape is known: a 1x128 tile
+    over a 64-wide operand is 1x64, a 128x128 block over a 128x128 one is its one scale); fp32
+    expects nothing quantized."""
     if wanted.fmt == HIGH_PRECISION:
-        return not texts
+        return all(text == HIGH_PRECISION for text in texts)
     if not texts:
         return False
     if any(text.partition(":")[0] != wanted.fmt for text in texts):
@@ -191,6 +215,10 @@ def _matches(wanted: Operand, texts: Sequence[str], blocks: Sequence[str]) -> bo
     word = layout_text(wanted.layout)
     if word in ("tensor", *WHOLE_AXIS):  # as observed: one scale, or one per row or column
         return all(text.partition(":")[2] == word for text in texts)
+    if len(shapes) == 1 and len(blocks) == 1:
+        rows, cols = (int(n) for n in shapes[0].split("x"))
+        block = (rows, cols) if blocks[0] == "tensor" else tuple(int(n) for n in blocks[0].split("x"))
+        return block == (min(wanted.layout[0], rows), min(wanted.layout[1], cols))
     return bool(blocks) and all(block == word for block in blocks)
 
 
