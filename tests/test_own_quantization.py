@@ -1,142 +1,302 @@
-"""The model's own quantization gated end to end, as a user's project meets it: a git repository
-holding a torchao float8 model and a hand-written FP8 model (the test modules user_torchao and
-user_fp8, copied in), their baselines made at the first commit, and one branch per change. Each
-change of the numerics the models' own code computes fails `precision-suite run` against the
-baselines and `diff` against the first commit, naming the module; a rename passes both. The two
-gates give one verdict on every change: `diff` with the baselines, and `diff` on a case without
-one (judged within BASE's rounding twins), as `run` does."""
+"""The model's own quantization gated end to end, as a user's project meets it: per client (a model
+whose own code quantizes, a test module copied in) a git repository built once per test run, its baselines made at the
+first commit `base` by `precision-suite baseline update`, one branch per change, each checked out in
+its own worktree. Every gate runs the command as a user types it, default flags (charts on):
+`run`, `diff base BRANCH`, `diff --strict`, and the pytest plugin (a test file of the project
+calling `precision_check`, run by `pytest`). A change of the numerics the client's code computes
+fails every gate naming the module and operand; a rename passes every gate; `run` and `diff` give
+one verdict on every row.
+
+The table (client x change x gate: exit status and the finding's text) is printed by each row's
+test (`-s`) and collected by `tests/own_stack_table.py`. The clients are data: a new client is one
+`Client` entry. Each client's repository is built once per test run, shared by the xdist workers
+through a file lock (the build trains the baselines; every row reuses them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from precision_suite import cli
+from shared_build import built_once
 
 TESTS = Path(__file__).resolve().parent
-CASES = '''[[case]]
-model = "user_torchao:build"
-batches = "user_torchao:batches"
-steps = 4
-sample_every = 2
-width = 32
+SUITE_ROOT = TESTS.parent
+TABLE_ENV = "OWN_STACK_TABLE"
+# TEMPORARY (issue 38 part 1): with charts on, the module view of an observed model whose observed
+# modules are not its probed ones raises this; a gate that hits it is judged again with --charts
+# none and its row is an expected failure until the fix lands
+REPORT_CRASH = "conflicting sizes for dimension 'module'"  # a file each row appends its lines to (tests/own_stack_table.py)
 
-[[case]]
-model = "user_fp8:build"
-batches = "user_fp8:batches"
-steps = 4
-sample_every = 2
-width = 32
-'''
-# branch -> (file, text, replacement): each a change a team makes in its own code
-CHANGES = {
-    "rename": ("user_torchao.py", "keep_head", "head_in_high_precision"),
-    "head-out-of-float8": ("user_torchao.py", '"USER_TORCHAO_HEAD", "fp8"', '"USER_TORCHAO_HEAD", "hp"'),
-    "rowwise": ("user_torchao.py", '"USER_TORCHAO_RECIPE", "tensorwise"', '"USER_TORCHAO_RECIPE", "rowwise"'),
-    "e4m3-gradients": ("user_fp8.py", '"USER_FP8_GRADIENTS", "e5m2"', '"USER_FP8_GRADIENTS", "e4m3"'),
-    "round-toward-zero": ("user_fp8.py", '"USER_FP8_ROUNDING", "nearest"', '"USER_FP8_ROUNDING", "toward_zero"'),
-    "residual-half": ("user_torchao.py", '"USER_TORCHAO_RESIDUAL", "1"', '"USER_TORCHAO_RESIDUAL", "0.5"'),
-    "attention-1/d": ("user_torchao.py", '"USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)"',
-                      '"USER_TORCHAO_ATTENTION_SCALE", "1/d"'),
+
+@dataclass(frozen=True)
+class Change:
+    """A change a team makes in its own code: `text` -> `replacement` in the client's module.
+    `named`: what every failing gate's finding must say (the module and operand, and what
+    changed); "" for a change of model code, where no module's quantization changed; None: not yet
+    written (PENDING). `passes`: every gate passes (a rename)."""
+
+    text: str
+    replacement: str
+    named: str | None = ""
+    passes: bool = False
+
+
+@dataclass(frozen=True)
+class Client:
+    """A user project: its module (a file of tests/), its case (RunSpec fields, as cases.toml and the
+    plugin test name them) and its changes. `no_baseline_gate`: the changes also judged by `diff` on
+    a case without a baseline (within BASE's rounding twins, measured now: the costliest gate, so
+    on one change of each kind, not on every change)."""
+
+    module: str
+    changes: dict[str, Change]
+    case: dict = field(default_factory=dict)
+    no_baseline_gate: frozenset[str] = frozenset()
+
+    @property
+    def fields(self) -> dict:
+        name = self.module.removesuffix(".py")
+        return {"model": f"{name}:build", "batches": f"{name}:batches", "steps": 4, "sample_every": 2, "width": 32,
+                **self.case}
+
+
+RENAME = "rename"
+CLIENTS = {
+    # torchao Float8Linear (convert_to_float8_training), its SDPA in the top module
+    "torchao": Client("user_torchao.py", changes={
+        RENAME: Change("keep_head", "head_in_high_precision", passes=True),
+        "which modules quantize": Change('"USER_TORCHAO_HEAD", "fp8"', '"USER_TORCHAO_HEAD", "hp"',
+                                         "head: scaled GEMMs observed 3 -> 0"),
+        "block layout": Change('"USER_TORCHAO_RECIPE", "tensorwise"', '"USER_TORCHAO_RECIPE", "rowwise"',
+                               "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32) -> e4m3:row"),
+        # changes of model code: no module's quantization changed, the numbers did
+        "model code: residual x0.5": Change('"USER_TORCHAO_RESIDUAL", "1"', '"USER_TORCHAO_RESIDUAL", "0.5"'),
+        "model code: attention 1/d": Change('"USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)"',
+                                            '"USER_TORCHAO_ATTENTION_SCALE", "1/d"'),
+    }, no_baseline_gate=frozenset({RENAME, "block layout", "model code: residual x0.5"})),
+    # a hand-written torch._scaled_mm model (user_fp8.py)
+    "_scaled_mm": Client("user_fp8.py", changes={
+        RENAME: Change("column_major", "to_column_major", passes=True),
+        "element format": Change('"USER_FP8_GRADIENTS", "e5m2"', '"USER_FP8_GRADIENTS", "e4m3"',
+                                 "dgrad operand a: e5m2:tensor (tensor, float32) -> e4m3:tensor (tensor, float32)"),
+        "rounding": Change('"USER_FP8_ROUNDING", "nearest"', '"USER_FP8_ROUNDING", "toward_zero"',
+                           "round-to-nearest of their high-precision source at the GEMM's own scale cannot give"),
+    }),
 }
-MODELS = {branch: "user_fp8:build" if name == "user_fp8.py" else "user_torchao:build"
-          for branch, (name, _, _) in CHANGES.items()}
-# what the verdict must name: the module and what changed
-NAMED = {
-    "head-out-of-float8": "head: scaled GEMMs observed 3 -> 0",
-    "rowwise": "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32) -> e4m3:row",
-    "e4m3-gradients": "dgrad operand a: e5m2:tensor (tensor, float32) -> e4m3:tensor (tensor, float32)",
-    "round-toward-zero": "round-to-nearest of their high-precision source at the GEMM's own scale cannot give",
-    "residual-half": "",  # a change of model code: no module's quantization changed, the numbers did
-    "attention-1/d": "",
+# TEMPORARY: the fake-quantization clients of issue 38 (their modules have landed); their rows skip
+# until each `named` (None: not yet written) is filled from a first run of their rows
+# (`python tests/own_stack_table.py -n 2 -k "QDQ or QAT"` shows each finding), then the entries
+# move into CLIENTS and PENDING and `pending_reason` go.
+PENDING = {
+    # blockwise QDQ in a custom autograd Function, gradients quantized in its backward
+    "hand-written QDQ": Client("user_qdq.py", case={"width": 128}, changes={
+        RENAME: Change("parse_block", "block_shape", passes=True),
+        "block layout": Change('"USER_QDQ_WEIGHT_BLOCK", "128x128"', '"USER_QDQ_WEIGHT_BLOCK", "1x128"', None),
+        "element format": Change('"USER_QDQ_GRADIENTS", "e5m2"', '"USER_QDQ_GRADIENTS", "e4m3"', None),
+        "which modules quantize": Change('"USER_QDQ_FP32_MODULES", ""', '"USER_QDQ_FP32_MODULES", "head"', None),
+        "scale target": Change('"USER_QDQ_TARGET", "448"', '"USER_QDQ_TARGET", "240"', None),
+        "rounding": Change('"USER_QDQ_ROUNDING", "nearest"', '"USER_QDQ_ROUNDING", "toward_zero"', None),
+    }),
+    # torchao QAT float8 (FakeQuantizedLinear), straight-through backward
+    "torchao QAT": Client("user_qat.py", case={"width": 128}, changes={
+        RENAME: Change("GRANULARITIES", "SCALE_GRANULARITIES", passes=True),
+        "block layout": Change('"USER_QAT_GRANULARITY", "rowwise"', '"USER_QAT_GRANULARITY", "tensorwise"', None),
+        "which modules quantize": Change('"USER_QAT_HEAD", "fp8"', '"USER_QAT_HEAD", "hp"', None),
+    }),
 }
+ALL_CLIENTS = {**CLIENTS, **PENDING}
+ROWS = [(client, change) for client, c in ALL_CLIENTS.items() for change in c.changes]
+
+
+def pending_reason(client: str) -> str | None:
+    if client in PENDING and any(change.named is None for change in PENDING[client].changes.values()):
+        return f"{client}: what its findings name is not written yet (PENDING)"
+    return None
 
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def user_environment(repo: Path) -> dict[str, str]:
+    """The user's shell: their project importable; nothing of this pytest session (xdist's worker
+    variables would tell the inner pytest it is a worker)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_", "OWN_STACK"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), str(SUITE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 def suite(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    """`precision-suite ARGS` in a fresh interpreter in `repo` (each checkout's code imported anew)."""
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    """`precision-suite ARGS` typed in `repo`: a fresh interpreter, the checkout's code imported anew."""
     return subprocess.run([sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())",
-                           *args], cwd=repo, env=env, capture_output=True, text=True)
+                           *args], cwd=repo, env=user_environment(repo), capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository at its first commit, baselines made there, a branch per change."""
-    repo = tmp_path_factory.mktemp("own-quantization") / "project"
+def user_pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args],
+                          cwd=repo, env=user_environment(repo), capture_output=True, text=True)
+
+
+def branch_name(change: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in change)
+
+
+def build(client: Client, repo: Path) -> None:
+    """The repository at its first commit, its baselines made there, a branch and a worktree per change."""
     repo.mkdir()
     git(repo, "-c", "init.defaultBranch=main", "init", "-q")
     for key, value in (("user.name", "Tester"), ("user.email", "t@example.com"), ("commit.gpgsign", "false")):
         git(repo, "config", key, value)
-    for name in ("user_code.py", "user_torchao.py", "user_fp8.py"):
+    for name in ("user_code.py", client.module):
         shutil.copy(TESTS / name, repo / name)
-    (repo / "cases.toml").write_text(CASES)
+    toml = "".join(f"{key} = {json.dumps(value)}\n" for key, value in client.fields.items())
+    (repo / "cases.toml").write_text("[[case]]\n" + toml)
+    (repo / "pytest.ini").write_text("[pytest]\n")  # the rootdir the plugin imports the project from
+    (repo / "test_precision.py").write_text(
+        "from precision_suite import RunSpec\n\n\n"
+        f"def test_model(precision_check):\n    precision_check(RunSpec(**{client.fields!r}))\n")
     (repo / ".gitignore").write_text("__pycache__/\nbaselines/\nreports/\n")
     git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "a torchao model and a hand-written FP8 model")
+    git(repo, "commit", "-q", "-m", f"a model quantized by its own code ({client.module})")
     git(repo, "tag", "base")
-    for branch, (name, text, replacement) in CHANGES.items():
+    for change_name, change in client.changes.items():
+        branch = branch_name(change_name)
         git(repo, "checkout", "-q", "-b", branch, "base")
-        source = (repo / name).read_text()
-        assert text in source, (branch, text)
-        (repo / name).write_text(source.replace(text, replacement))
-        git(repo, "commit", "-q", "-am", f"change: {branch}")
-    git(repo, "checkout", "-q", "main")
+        source = (repo / client.module).read_text()
+        assert change.text in source, (change_name, change.text)
+        (repo / client.module).write_text(source.replace(change.text, change.replacement))
+        git(repo, "commit", "-q", "-am", f"change: {change_name}")
+        git(repo, "checkout", "-q", "main")
+        git(repo, "worktree", "add", "-q", str(repo.parent / "branches" / branch), branch)
     made = suite(repo, "baseline", "update", "--config", "cases.toml", "--baseline-dir", "baselines")
     assert made.returncode == 0, made.stderr[-3000:]
-    return repo
 
 
-def diff(project: Path, branch: str, *options: str) -> tuple[int, str]:
-    """`diff base BRANCH` of the branch's model in this process: (status, summary.json)."""
-    report = project / "reports" / f"diff-{branch.replace('/', '-')}{''.join(options).replace('-', '_')}"
-    status = cli.main(["diff", "base", branch, "--config", "cases.toml", "--model", MODELS[branch],
-                       "--charts", "none", "--report-dir", str(report), "--workers", "1", *options])
-    return status, (report / "summary.json").read_text()
+def project(tmp_path_factory: pytest.TempPathFactory, client: str) -> Path:
+    """The client's repository, built once per test run (the rows write only their own reports)."""
+    folder = built_once(tmp_path_factory, f"own-stack-{branch_name(client)}",
+                        lambda folder: build(ALL_CLIENTS[client], folder / "project"))
+    return folder / "project"
+
+
+def messages(summary: object) -> list[str]:
+    """Every finding's message in a summary.json, in order."""
+    if isinstance(summary, dict):
+        return [m for key, value in summary.items()
+                for m in ([value] if key == "message" and isinstance(value, str) else messages(value))]
+    if isinstance(summary, list):
+        return [m for value in summary for m in messages(value)]
+    return []
+
+
+@dataclass
+class Gate:
+    name: str
+    status: int
+    text: str  # what the gate printed and wrote: where the finding must be named
+    finding: str  # the finding the table shows
+    seconds: float
+    crashed: str = ""  # TEMPORARY (issue 38 part 1): the report's crash with charts on, judged by --charts none
+
+
+def finding_of(named: str | None, texts: list[str]) -> str:
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+    hit = next((line for line in lines if named and named in line), None)
+    return (hit or (lines[0] if lines else ""))[:300]
+
+
+def last_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines()[::-1] if line.strip()), "")[:300]
+
+
+def gates(client: Client, repo: Path, branch: str, named: str | None) -> list[Gate]:
+    """Every gate on the branch, each once, as the user types it."""
+    worktree = repo.parent / "branches" / branch
+    baselines = str(repo / "baselines")
+    reports = repo.parent / "reports" / branch
+    diffs = {"diff": ["--baseline-dir", baselines], "diff --strict": ["--baseline-dir", baselines, "--strict"]}
+    if branch in map(branch_name, client.no_baseline_gate):
+        diffs["diff, no baseline"] = ["--baseline-dir", "no-baselines"]
+    commands = [("run", worktree, ["run", "--config", "cases.toml", "--baseline-dir", baselines]),
+                *((name, repo, ["diff", "base", branch, "--config", "cases.toml", *options])
+                  for name, options in diffs.items())]
+    out = [command_gate(name, where, [*argv, "--report-dir", str(reports / branch_name(name))], named)
+           for name, where, argv in commands]
+    started = time.perf_counter()
+    done = user_pytest(worktree, "-q", "test_precision.py", "--precision-baseline-dir", baselines,
+                       "--precision-report-dir", str(reports / "plugin"))
+    failures = [line for line in done.stdout.splitlines() if "] " in line]  # "  [regression] ..."
+    out.append(Gate("plugin", done.returncode, done.stdout + done.stderr[-3000:],
+                    finding_of(named, failures) or last_line(done.stdout), time.perf_counter() - started))
+    return out
+
+
+def command_gate(name: str, where: Path, argv: list[str], named: str | None) -> Gate:
+    started = time.perf_counter()
+    done = suite(where, *argv)
+    report = Path(argv[argv.index("--report-dir") + 1])
+    summary = json.loads((report / "summary.json").read_text()) if (report / "summary.json").exists() else {}
+    found = messages(summary)
+    text = "\n".join([done.stdout, done.stderr[-3000:], *found])
+    identical = [line for line in done.stdout.splitlines() if "bitwise identical" in line]
+    finding = (finding_of(named, found) or finding_of(None, identical)
+               or (f"{summary['overall']}: no finding" if summary else last_line(done.stderr)))
+    gate = Gate(name, done.returncode, text, finding, time.perf_counter() - started)
+    if REPORT_CRASH in text:  # TEMPORARY: judge the numbers without the report until its fix lands
+        first = gate
+        gate = command_gate(name, where, [*argv[:-1], argv[-1] + "-no-charts", "--charts", "none"], named)
+        gate.crashed, gate.seconds = f"exit {first.status}, {REPORT_CRASH}", gate.seconds + first.seconds
+    return gate
+
+
+def table_lines(client: str, change: str, results: list[Gate]) -> list[str]:
+    def shown(gate: Gate) -> str:
+        crash = f"CRASH with charts on ({gate.crashed}); with --charts none: " if gate.crashed else ""
+        return (crash + gate.finding).replace("|", "/")
+
+    return [f"| {client} | {change} | {g.name} | {g.status} | {g.seconds:.0f} | {shown(g)} |" for g in results]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("branch", list(CHANGES))
-def test_each_change_of_the_models_own_numerics_fails_run_and_diff_naming_the_module(project, branch, monkeypatch):
-    git(project, "checkout", "-q", branch)
-    try:
-        judged = suite(project, "run", "--config", "cases.toml", "--baseline-dir", "baselines", "--model",
-                       MODELS[branch], "--charts", "none", "--report-dir", str(project / "reports" / branch))
-    finally:
-        git(project, "checkout", "-q", "main")
-    monkeypatch.chdir(project)
-    monkeypatch.syspath_prepend(str(project))
-    expected = 0 if branch == "rename" else 1
-    assert judged.returncode == expected, judged.stdout + judged.stderr[-2000:]
-    status, summary = diff(project, branch)
-    assert status == expected, summary[:3000]  # one verdict: the baseline's noise judges both gates
-    assert NAMED.get(branch, "") in summary, summary[:3000]
-    assert NAMED.get(branch, "") in (project / "reports" / branch / "summary.json").read_text()
-    if MODELS[branch] == "user_torchao:build":
-        # a case without a baseline: judged within BASE's rounding twins, measured now; same verdict
-        status, summary = diff(project, branch, "--baseline-dir", "no-baselines")
-        assert status == expected, summary[:3000]
-        assert "against BASE's rounding twins" in summary or branch == "rename", summary[:3000]
-    if branch == "residual-half":  # and the strict gate fails it, saying so
-        status, summary = diff(project, branch, "--strict")
-        assert status == 1 and "judged strict: any change of the numbers fails" in summary, summary[:3000]
-
-
-@pytest.mark.slow
-def test_a_rename_leaves_diff_bitwise_identical(project, monkeypatch, capsys):
-    monkeypatch.chdir(project)
-    status = cli.main(["diff", "base", "rename", "--config", "cases.toml", "--charts", "none", "--report-dir",
-                       str(project / "reports" / "diff-rename-all"), "--workers", "1"])
-    out = capsys.readouterr().out
-    assert status == 0 and out.count("bitwise identical") == 2, out
+@pytest.mark.parametrize(("client", "change"), ROWS, ids=[f"{c}-{branch_name(ch)}" for c, ch in ROWS])
+def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_module(tmp_path_factory, client,
+                                                                                   change):
+    if reason := pending_reason(client):
+        pytest.skip(reason)
+    spec = ALL_CLIENTS[client].changes[change]
+    results = gates(ALL_CLIENTS[client], project(tmp_path_factory, client), branch_name(change), spec.named)
+    lines = table_lines(client, change, results)
+    print("\n".join(lines))
+    if os.environ.get(TABLE_ENV):
+        with FileLock(os.environ[TABLE_ENV] + ".lock"), open(os.environ[TABLE_ENV], "a") as table:
+            table.write("\n".join(lines) + "\n")
+    shown = "\n".join(lines)
+    expected = 0 if spec.passes else 1
+    # the plugin reports a failed test as pytest's exit status 1 too
+    assert [g.status for g in results] == [expected] * len(results), shown + "\n\n" + "\n\n".join(
+        f"--- {g.name}\n{g.text[-2500:]}" for g in results if g.status != expected)
+    for gate in results:
+        assert spec.named in gate.text, f"{gate.name} does not name {spec.named!r}\n{shown}\n{gate.text[-2500:]}"
+        assert "Traceback" not in gate.text, f"{gate.name}\n{gate.text[-3000:]}"
+    by_name = {g.name: g for g in results}
+    if spec.passes:  # the same numbers, bit for bit: diff says so
+        assert "bitwise identical" in by_name["diff"].text, by_name["diff"].text[-2000:]
+    else:
+        assert "judged strict: any change of the numbers fails" in by_name["diff --strict"].text, shown
+    if "diff, no baseline" in by_name and not spec.passes:
+        assert "against BASE's rounding twins" in by_name["diff, no baseline"].text, shown
+    if any(g.crashed for g in results):  # TEMPORARY: delete with REPORT_CRASH when the fix lands
+        pytest.xfail(f"the report crashes with charts on (issue 38 part 1, fix in flight); the verdicts hold\n{shown}")
 
 
 def test_a_recipe_over_the_models_own_quantization_is_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -25,6 +25,7 @@ from precision_suite.numerics import quantization
 from precision_suite.training import models, recipes, runs
 from precision_suite.training.replays import replay_start
 from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS
+from shared_build import built_once
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"  # the project's own rules apply
 CONFIG = """
@@ -147,12 +148,15 @@ PLANTS = {
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A project folder with the two small cases and their baselines from the unplanted code."""
-    root = tmp_path_factory.mktemp("teeth")
-    (root / "cases.toml").write_text(CONFIG)
-    assert cli.main(["baseline", "update", "--workers", "1", "--config", str(root / "cases.toml"),
-                     "--baseline-dir", str(root / "baselines")]) == 0
-    return root
+    """A project folder with the two small cases and their baselines from the unplanted code, built
+    once per test run (the tests write only reports of their own names there)."""
+
+    def build(root: Path) -> None:
+        (root / "cases.toml").write_text(CONFIG)
+        assert cli.main(["baseline", "update", "--workers", "1", "--config", str(root / "cases.toml"),
+                         "--baseline-dir", str(root / "baselines")]) == 0
+
+    return built_once(tmp_path_factory, "teeth", build)
 
 
 def _run(project, report: str) -> tuple[int, dict]:
