@@ -32,22 +32,17 @@ from shared_build import built_once
 TESTS = Path(__file__).resolve().parent
 SUITE_ROOT = TESTS.parent
 TABLE_ENV = "OWN_STACK_TABLE"
-# TEMPORARY (issue 38 part 1): with charts on, the module view of an observed model whose observed
-# modules are not its probed ones raises this; a gate that hits it is judged again with --charts
-# none and its row is an expected failure until the fix lands
-REPORT_CRASH = "conflicting sizes for dimension 'module'"  # a file each row appends its lines to (tests/own_stack_table.py)
 
 
 @dataclass(frozen=True)
 class Change:
     """A change a team makes in its own code: `text` -> `replacement` in the client's module.
     `named`: what every failing gate's finding must say (the module and operand, and what
-    changed); "" for a change of model code, where no module's quantization changed; None: not yet
-    written (PENDING). `passes`: every gate passes (a rename)."""
+    changed); "" for a change of model code, where no module's quantization changed. `passes`: every gate passes (a rename)."""
 
     text: str
     replacement: str
-    named: str | None = ""
+    named: str = ""
     passes: bool = False
 
 
@@ -78,7 +73,7 @@ CLIENTS = {
         "which modules quantize": Change('"USER_TORCHAO_HEAD", "fp8"', '"USER_TORCHAO_HEAD", "hp"',
                                          "head: scaled GEMMs observed 3 -> 0"),
         "block layout": Change('"USER_TORCHAO_RECIPE", "tensorwise"', '"USER_TORCHAO_RECIPE", "rowwise"',
-                               "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32) -> e4m3:row"),
+                               "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32, target 1) -> e4m3:row"),
         # changes of model code: no module's quantization changed, the numbers did
         "model code: residual x0.5": Change('"USER_TORCHAO_RESIDUAL", "1"', '"USER_TORCHAO_RESIDUAL", "0.5"'),
         "model code: attention 1/d": Change('"USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)"',
@@ -88,40 +83,41 @@ CLIENTS = {
     "_scaled_mm": Client("user_fp8.py", changes={
         RENAME: Change("column_major", "to_column_major", passes=True),
         "element format": Change('"USER_FP8_GRADIENTS", "e5m2"', '"USER_FP8_GRADIENTS", "e4m3"',
-                                 "dgrad operand a: e5m2:tensor (tensor, float32) -> e4m3:tensor (tensor, float32)"),
+                                 "dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> e4m3:tensor (tensor, float32, target 1)"),
         "rounding": Change('"USER_FP8_ROUNDING", "nearest"', '"USER_FP8_ROUNDING", "toward_zero"',
                            "round-to-nearest of their high-precision source at the GEMM's own scale cannot give"),
     }),
 }
-# TEMPORARY: the fake-quantization clients of issue 38 (their modules have landed); their rows skip
-# until each `named` (None: not yet written) is filled from a first run of their rows
-# (`python tests/own_stack_table.py -n 2 -k "QDQ or QAT"` shows each finding), then the entries
-# move into CLIENTS and PENDING and `pending_reason` go.
-PENDING = {
-    # blockwise QDQ in a custom autograd Function, gradients quantized in its backward
+# the fake-quantization clients: casts dequantized into plain matrix products
+FAKE_QUANTIZATION_CLIENTS = {
+    # blockwise QDQ in a custom autograd Function, gradients quantized in its backward; attention in
+    # a submodule of each block
     "hand-written QDQ": Client("user_qdq.py", case={"width": 128}, changes={
         RENAME: Change("parse_block", "block_shape", passes=True),
-        "block layout": Change('"USER_QDQ_WEIGHT_BLOCK", "128x128"', '"USER_QDQ_WEIGHT_BLOCK", "1x128"', None),
-        "element format": Change('"USER_QDQ_GRADIENTS", "e5m2"', '"USER_QDQ_GRADIENTS", "e4m3"', None),
-        "which modules quantize": Change('"USER_QDQ_FP32_MODULES", ""', '"USER_QDQ_FP32_MODULES", "head"', None),
-        "scale target": Change('"USER_QDQ_TARGET", "448"', '"USER_QDQ_TARGET", "240"', None),
-        "rounding": Change('"USER_QDQ_ROUNDING", "nearest"', '"USER_QDQ_ROUNDING", "toward_zero"', None),
+        "block layout": Change('"USER_QDQ_WEIGHT_BLOCK", "128x128"', '"USER_QDQ_WEIGHT_BLOCK", "1x128"',
+                               "blocks.0.attn.proj dgrad operand b: e4m3:tensor (tensor, float32, target 1) -> "
+                               "e4m3:row (1x128, float32, target 1)"),
+        "element format": Change('"USER_QDQ_GRADIENTS", "e5m2"', '"USER_QDQ_GRADIENTS", "e4m3"',
+                                 "blocks.0.attn.proj dgrad operand a: e5m2:row (1x128, float32, target 1) -> "
+                                 "e4m3:row (1x128, float32, target 1)"),
+        "which modules quantize": Change('"USER_QDQ_FP32_MODULES", ""', '"USER_QDQ_FP32_MODULES", "head"',
+                                         "head: scaled GEMMs observed 3 -> 0"),
+        "scale target": Change('"USER_QDQ_TARGET", "448"', '"USER_QDQ_TARGET", "240"',
+                               "(1x128, float32, target 1) -> e5m2:row (1x128, float32, target 0.54)"),
+        "rounding": Change('"USER_QDQ_ROUNDING", "nearest"', '"USER_QDQ_ROUNDING", "toward_zero"',
+                           "round-to-nearest of their high-precision source at the GEMM's own scale cannot give"),
     }),
     # torchao QAT float8 (FakeQuantizedLinear), straight-through backward
     "torchao QAT": Client("user_qat.py", case={"width": 128}, changes={
         RENAME: Change("GRANULARITIES", "SCALE_GRANULARITIES", passes=True),
-        "block layout": Change('"USER_QAT_GRANULARITY", "rowwise"', '"USER_QAT_GRANULARITY", "tensorwise"', None),
-        "which modules quantize": Change('"USER_QAT_HEAD", "fp8"', '"USER_QAT_HEAD", "hp"', None),
+        "block layout": Change('"USER_QAT_GRANULARITY", "rowwise"', '"USER_QAT_GRANULARITY", "tensorwise"',
+                               "h.0.attn.c_attn dgrad operand b: e4m3:row"),
+        "which modules quantize": Change('"USER_QAT_HEAD", "fp8"', '"USER_QAT_HEAD", "hp"',
+                                         "lm_head: scaled GEMMs observed 3 -> 0"),
     }),
 }
-ALL_CLIENTS = {**CLIENTS, **PENDING}
+ALL_CLIENTS = {**CLIENTS, **FAKE_QUANTIZATION_CLIENTS}
 ROWS = [(client, change) for client, c in ALL_CLIENTS.items() for change in c.changes]
-
-
-def pending_reason(client: str) -> str | None:
-    if client in PENDING and any(change.named is None for change in PENDING[client].changes.values()):
-        return f"{client}: what its findings name is not written yet (PENDING)"
-    return None
 
 
 def git(repo: Path, *args: str) -> str:
@@ -206,7 +202,6 @@ class Gate:
     text: str  # what the gate printed and wrote: where the finding must be named
     finding: str  # the finding the table shows
     seconds: float
-    crashed: str = ""  # TEMPORARY (issue 38 part 1): the report's crash with charts on, judged by --charts none
 
 
 def finding_of(named: str | None, texts: list[str]) -> str:
@@ -252,17 +247,12 @@ def command_gate(name: str, where: Path, argv: list[str], named: str | None) -> 
     finding = (finding_of(named, found) or finding_of(None, identical)
                or (f"{summary['overall']}: no finding" if summary else last_line(done.stderr)))
     gate = Gate(name, done.returncode, text, finding, time.perf_counter() - started)
-    if REPORT_CRASH in text:  # TEMPORARY: judge the numbers without the report until its fix lands
-        first = gate
-        gate = command_gate(name, where, [*argv[:-1], argv[-1] + "-no-charts", "--charts", "none"], named)
-        gate.crashed, gate.seconds = f"exit {first.status}, {REPORT_CRASH}", gate.seconds + first.seconds
     return gate
 
 
 def table_lines(client: str, change: str, results: list[Gate]) -> list[str]:
     def shown(gate: Gate) -> str:
-        crash = f"CRASH with charts on ({gate.crashed}); with --charts none: " if gate.crashed else ""
-        return (crash + gate.finding).replace("|", "/")
+        return gate.finding.replace("|", "/")
 
     return [f"| {client} | {change} | {g.name} | {g.status} | {g.seconds:.0f} | {shown(g)} |" for g in results]
 
@@ -271,8 +261,6 @@ def table_lines(client: str, change: str, results: list[Gate]) -> list[str]:
 @pytest.mark.parametrize(("client", "change"), ROWS, ids=[f"{c}-{branch_name(ch)}" for c, ch in ROWS])
 def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_module(tmp_path_factory, client,
                                                                                    change):
-    if reason := pending_reason(client):
-        pytest.skip(reason)
     spec = ALL_CLIENTS[client].changes[change]
     results = gates(ALL_CLIENTS[client], project(tmp_path_factory, client), branch_name(change), spec.named)
     lines = table_lines(client, change, results)
@@ -295,8 +283,6 @@ def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_mod
         assert "judged strict: any change of the numbers fails" in by_name["diff --strict"].text, shown
     if "diff, no baseline" in by_name and not spec.passes:
         assert "against BASE's rounding twins" in by_name["diff, no baseline"].text, shown
-    if any(g.crashed for g in results):  # TEMPORARY: delete with REPORT_CRASH when the fix lands
-        pytest.xfail(f"the report crashes with charts on (issue 38 part 1, fix in flight); the verdicts hold\n{shown}")
 
 
 def test_a_recipe_over_the_models_own_quantization_is_a_usage_error(tmp_path, monkeypatch, capsys):
