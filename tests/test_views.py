@@ -44,7 +44,9 @@ def a_run(attention: bool = True):
         scales=np.full((1, n, len(GEMM_OPERANDS)), "", dtype=object),
         gemms=np.zeros((1, n, len(GEMMS)), dtype=np.int64),
         accumulation=np.full((1, n, len(GEMMS)), "", dtype=object),
-        unconsumed=np.zeros((1, n), dtype=np.int64))
+        unconsumed=np.zeros((1, n), dtype=np.int64),
+        targets=np.full((1, n, len(GEMM_OPERANDS)), np.nan),
+        shapes=np.full((1, n, len(GEMM_OPERANDS)), "", dtype=object))
     observed.sums[0, 0, 0] = _sums(1)
     observed.formats[0, 0, 0], observed.blocks[0, 0, 0], observed.scales[0, 0, 0] = "e4m3:tensor", "tensor", "float32"
     observed.gemms[0, 0] = 1
