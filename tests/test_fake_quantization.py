@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import user_code
 import user_qat
 import user_qdq
+from cast_capture import CastRecorder
 from precision_suite.numerics.metrics import SUM_FIELDS
 from precision_suite.training.observed_operands import low_precision_format, scale_target
 from precision_suite.training.recipes import GEMM_OPERANDS
@@ -169,21 +169,6 @@ def test_a_straight_through_backward_reads_fp32_and_is_no_quantized_gemm():
     assert ds["observed_gemms"].sel(step=0, module="fc").values.tolist() == [1, 0, 0]
     assert "plain" not in ds["module"].values or \
         not any(cell(ds, "observed_format", "plain", o) for o in GEMM_OPERANDS)
-
-
-class CastRecorder(TorchDispatchMode):
-    """The test's own record of every cast into float8: (input, output) pairs."""
-
-    def __init__(self):
-        super().__init__()
-        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and low_precision_format(out.dtype) and \
-                low_precision_format(args[0].dtype) is None:
-            self.casts.append((args[0].detach().clone(), out.clone()))
-        return out
 
 
 def test_observed_counts_of_fake_quantized_operands_equal_a_recomputation_from_the_captured_casts(monkeypatch):

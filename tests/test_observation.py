@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.config import ScalingGranularity, ScalingType
 
 import user_fp8
 import user_torchao
+from cast_capture import CastRecorder
 from precision_suite.numerics.metrics import SUM_FIELDS
 from precision_suite.training.observed_operands import CONTRACTION_AXIS, low_precision_format
 from precision_suite.training.recipes import GEMM_OPERANDS, get_recipe
@@ -90,20 +90,6 @@ def test_torchao_float8_recipes_are_observed_as_their_config_declares(monkeypatc
     assert "Float8Linear" in ds.attrs["quantized_by"] and "torchao" in ds.attrs["quantized_by"]
     checked = ds["operand_numel"].sel(module=blocks)
     assert int(ds["operand_mismatch"].sum()) == 0 and int((checked > 0).sum()) > 0
-
-
-class CastRecorder(TorchDispatchMode):
-    """The test's own record of every cast to float8: (input, output) pairs."""
-
-    def __init__(self):
-        super().__init__()
-        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and low_precision_format(out.dtype):
-            self.casts.append((args[0].detach().clone(), out.clone()))
-        return out
 
 
 def test_observed_counts_equal_a_recomputation_from_the_captured_casts_bit_for_bit(monkeypatch):

@@ -31,6 +31,7 @@ CONTRACTION_AXIS = {"fprop.a": 1, "fprop.b": 1, "dgrad.a": 1, "dgrad.b": 0, "wgr
 # recomputed with the reciprocal scale is within 2 float32 ulps of the one the kernel computed
 _SOURCE_SLACK = 2.0**-22
 
+
 @dataclass(frozen=True)
 class Scaling:
     """How a quantized tensor relates to its high-precision source: ``op`` "mul" (q = x * factor,
@@ -195,9 +196,9 @@ def _run_length(key: Tensor) -> int:
 
 
 def scale_target(scaled: Tensor, blocks: Sequence[int], fmt: str, scale_kind: str) -> float:
-    # blocks: how many blocks along rows and columns (the compact scale's shape)
     """The scale's target: the largest scaled magnitude per block as a fraction of the format's
-    largest finite value (amax -> 448 in E4M3 is 1.0, amax -> 240 is 0.54), NaN where unknown.
+    largest finite value (amax -> 448 in E4M3 is 1.0, amax -> 240 is 0.54), NaN where unknown;
+    `blocks`: how many blocks along rows and columns (the compact scale's shape).
 
     Part of the observed recipe, so unchanged code must give the identical value under rounding
     noise and other seeds: the median over the blocks that hold a nonzero (a recipe maps every
