@@ -45,5 +45,8 @@ def test_wgrad_switched_from_promoted_to_fast_fails_the_run_naming_the_gemm(tmp_
     out = capsys.readouterr().out
     assert status == 1, out
     failing = [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert failing and "accumulation_error changed (worse)" in failing[0] and "gemm wgrad, accumulation as-run" in failing[0]
+    # the recipe's change is the headline (a recipe is data: tests/test_recipe_data.py), the error it makes follows
+    assert failing and "wgrad accumulation: hopper-promoted:128 -> hopper-fast in the suite's recipe" in failing[0], out
+    summary = Path("reports", "summary.json").read_text()
+    assert "accumulation_error changed (worse)" in summary and "gemm wgrad, accumulation as-run" in summary, summary
     assert "gemm fprop" not in out and "gemm dgrad" not in out  # what did not change is not named

@@ -54,7 +54,7 @@ from precision_suite.verdicts.baseline_files import default_regen_hint, same_num
 from precision_suite.verdicts.change import first_point_findings, gate_text, set_aside_base, strict_finding
 from precision_suite.verdicts.differences import Difference, first_differences, first_of
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
-from precision_suite.verdicts.observed import check_observed_recipe
+from precision_suite.verdicts.observed import check_recipes
 from precision_suite.verdicts.project_config import ProjectConfig
 from precision_suite.verdicts.stored_replays import twin_tolerance
 
@@ -242,13 +242,13 @@ def _against_base(head_run: xr.Dataset, base_run: xr.Dataset, case: str, referen
                   noise: Mapping[str, float], clean: Measurement | None, report_dir: Path, charts: str,
                   names: tuple[str, str]) -> CaseVerdict:
     """HEAD against BASE's run: its first point within BASE's rounding twins, the clean replay within
-    the replay's, the observed recipe unchanged; the rules and invariants as `run` checks them,
+    the replay's, the recipes (the suite's and the observed) unchanged; the rules and invariants as `run` checks them,
     what BASE's run shows set aside."""
     # nothing to regenerate: the case has no baseline
     against_base = dataclasses.replace(reference, baseline=None, regen_hint="",
                                        stored_replay=clean.stored() if clean else None)
     extra = [*first_point_findings(head_run, base_run, noise),
-             *check_observed_recipe(head_run, base_run)]
+             *check_recipes(head_run, base_run)]
     if clean is not None and clean.problem:  # no noise to judge the change by: it cannot pass
         extra.append(Finding.error(case, "numerics", f"numerics changed from step {clean.start} and "
                                    f"cannot be judged beyond noise without a clean measurement ({clean.problem}); "

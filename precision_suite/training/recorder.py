@@ -419,8 +419,11 @@ class Recorder:
         if observed is not None:
             attrs = {"quantized_by": describe_observation(self._observed, self.model), **attrs}
         accumulation = self._accumulation_steps(where) if any(self._accumulation) else None
+        # the suite's recipe each module trained with (the observed-only modules had none)
+        recipes = [layer_recipe(self.gemms[name][0]) if name in self.gemms else None for name in modules]
         return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs,
-                           operands=self._operand_counts(where), observed=observed, accumulation=accumulation)
+                           operands=self._operand_counts(where), observed=observed, accumulation=accumulation,
+                           recipes=recipes)
 
     def _accumulation_steps(self, where: Mapping[str, int]) -> AccumulationSteps:
         shape = (len(self.steps), len(where), len(GEMMS))

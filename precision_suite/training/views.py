@@ -22,7 +22,7 @@ from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observ
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
 from precision_suite.training.observation import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
-from precision_suite.training.recipes import GEMM_OPERANDS
+from precision_suite.training.recipes import GEMM_OPERANDS, Recipe
 
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")
@@ -34,6 +34,8 @@ OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "ob
 AS_RUN = "as-run"
 ACCUMULATIONS = (AS_RUN, *(accumulation.text() for accumulation in WHAT_IF))
 ACCUMULATION_VARIABLES = ("accumulation_mode", "accumulation_k")  # per module already: the module view keeps them
+# the suite's recipe each module trained with (Recipe.describe), per module already: the module view keeps them
+RECIPE_VARIABLES = ("recipe_operand", "recipe_accumulation")
 _OUTPUTS = ERROR_FIELDS.index("outputs")
 
 
@@ -81,7 +83,8 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
                 attention_modules: Sequence[str], attention_norms: np.ndarray,
                 first_labels: Sequence[str], case: str, attrs: Mapping[str, Any],
                 operands: OperandCounts | None = None, observed: ObservedSteps | None = None,
-                accumulation: AccumulationSteps | None = None) -> xr.Dataset:
+                accumulation: AccumulationSteps | None = None,
+                recipes: Sequence[Recipe | None] | None = None) -> xr.Dataset:
     """The schema-3 dataset (docs/architecture.md).
 
     sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
@@ -91,6 +94,8 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
     observed: the model's own quantization, when any was observed (docs/runs.md).
     accumulation: the accumulation error of the GEMMs accumulated as an H100 does, when any was
       (docs/runs.md); runs whose GEMMs all accumulate in float32 have none of its variables.
+    recipes: per module, the suite's recipe it trained with (None: none, plain float GEMMs or the
+      model's own quantization), when any module had one.
     """
     module_layer = np.array([layer_index(m) for m in modules], dtype=np.int64)
     attention_layer = np.array([layer_index(m) for m in attention_modules], dtype=np.int64)
@@ -135,6 +140,10 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         coords["gemm"] = np.array(GEMMS, dtype=object)
         coords["accumulation"] = np.array(ACCUMULATIONS, dtype=object)
         coords["accumulation_field"] = np.array(ERROR_FIELDS, dtype=object)
+    if recipes is not None and any(recipes):
+        data_vars.update(_recipe_vars(recipes))
+        coords["gemm"] = np.array(GEMMS, dtype=object)
+        coords.setdefault("operand", np.array(GEMM_OPERANDS, dtype=object))
     layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
     if layers:
         coords["layer"] = np.array(layers, dtype=np.int64)
@@ -169,7 +178,8 @@ def module_view(ds: xr.Dataset) -> xr.Dataset:
     gemm_modules = xr.Dataset(dict(_metric_vars(sums, "module", _first_labels(ds), labels)),
                               coords={"step": ds["step"].values, "module": ds["module"].values,
                                       "tensor": ds["tensor"].values, "layout": ds["layout"].values})
-    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES) if name in ds]
+    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES, *RECIPE_VARIABLES)
+               if name in ds]
     gemm_modules = gemm_modules.assign({name: ds[name].drop_vars("module_layer") for name in present})
     if "observed_sums" in ds:
         sums = ds["observed_sums"].transpose("step", "module", "operand", "sum_field").values
@@ -284,6 +294,26 @@ def _accumulation_vars(accumulation: AccumulationSteps) -> dict[str, Any]:
             "long_name": "GEMM reduction length K", "units": "1",
             "description": "products summed per output of the GEMM (fprop: in features, dgrad: out features, "
                            "wgrad: tokens); the largest where a module ran it with several; 0 where not measured"}),
+    }
+
+
+def _recipe_vars(recipes: Sequence[Recipe | None]) -> dict[str, Any]:
+    """The suite's recipe per module as data: each GEMM operand's format:layout[:stochastic] and each
+    GEMM's accumulation, as `Recipe.describe` (and a `[recipes.NAME]` table) writes them."""
+    described = [recipe.describe() if recipe is not None else None for recipe in recipes]
+    operands = np.array([[d[gemm][side] if d else "" for gemm, side in (o.split(".") for o in GEMM_OPERANDS)]
+                         for d in described], dtype=object).reshape(len(recipes), len(GEMM_OPERANDS))
+    accumulation = np.array([[d[gemm]["accumulate"] if d else "" for gemm in GEMMS] for d in described],
+                            dtype=object).reshape(len(recipes), len(GEMMS))
+    return {
+        "recipe_operand": (("module", "operand"), operands, {
+            "long_name": "recipe operand format", "units": "1",
+            "description": "format:layout[:stochastic] of each GEMM operand in the suite's recipe the module "
+                           "trained with, or fp32; empty where the module had no recipe of the suite's"}),
+        "recipe_accumulation": (("module", "gemm"), accumulation, {
+            "long_name": "recipe GEMM accumulation", "units": "1",
+            "description": "fp32, hopper-fast or hopper-promoted:N: the accumulate of each GEMM in the suite's "
+                           "recipe the module trained with; empty where the module had no recipe of the suite's"}),
     }
 
 

@@ -2,9 +2,10 @@
 (through jobs.checking, which draws the chart of a failing or drifting case).
 
 It compares a run with its reference (a seed-ensemble baseline, calibrated; or one saved run,
-with the tolerance table) and the case's replay with its stored replay (deterministic), checks
-the built-in invariants (the GEMMs consumed what their recipe declares: `check_operands`,
-in the run and its replay) and the threshold rules, excuses the threshold findings a known
+with the tolerance table) and the case's replay with its stored replay (deterministic), the
+recipes against the reference's (the suite's and the observed: `observed.check_recipes`), checks
+the built-in invariants (the GEMMs consumed what their recipe declares: `check_operands`, in the
+run and its replay) and the threshold rules, excuses the threshold findings a known
 violation names (never another finding, never a baseline regression) and saves the obtained dataset beside the
 report when the case fails, so the two entry points can never disagree about a case. It returns
 verdicts and draws nothing: charts belong to the reports layer above.
@@ -43,7 +44,8 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
     `stored_replay`."""
     case = str(current.attrs.get("case", "?"))
     findings = list(extra_findings)
-    if reference is not None:
+    if reference is not None:  # first: a changed recipe is the headline of what follows from it
+        findings += observed.check_recipes(current, reference, regen_hint)
         if "seed" in reference.dims:
             findings += compare_ensemble(current, reference, regen_hint)
         else:
@@ -53,8 +55,6 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings.append(Finding.error(case, "replay", "a stored replay exists but the replay was not run"))
         else:
             findings += compare_replay(replay, stored_replay, regen_hint)
-    if reference is not None:
-        findings += observed.check_observed_recipe(current, reference, regen_hint)
     findings += observed.check_expected(current)
     findings += check_operands(current, case)
     if replay is not None:

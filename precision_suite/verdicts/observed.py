@@ -1,10 +1,17 @@
-"""The observed recipe as data: what the model's own code quantized (training/observation.py),
-judged against the reference run and against what the case expects.
+"""A recipe as data, on both sides: the suite's recipe a run trained with (a `[recipes.NAME]`
+table or a built-in recipe, `recipe_operand` and `recipe_accumulation`) and what the model's own
+code quantized (training/observation.py), judged against the reference run and against what the
+case expects.
 
-- `check_observed_recipe`: per module, the scaled GEMMs observed and their accumulation flags, and
-  per module and operand the format, scaling block, scale kind and scale target, step by step, against the
-  reference (a baseline's first member, or BASE's run in `diff`). Any change is a regression that
-  names the module and what changed: a recipe is a decision, not a noisy number.
+- `check_recipes`: both recipes against the reference (a baseline's first member, or BASE's run
+  in `diff`), without tolerance. Any change is a regression that names the module, the GEMM and
+  the operand and what changed: a recipe is a decision, not a noisy number.
+  - `check_trained_recipe`: per module, each GEMM operand's format and layout and each GEMM's
+    accumulation in the suite's recipe; modules that changed alike are named in one finding. A
+    reference that does not record it (a baseline written before the recipe was stored) is not
+    compared.
+  - `check_observed_recipe`: per module, the scaled GEMMs observed and their accumulation flags,
+    and per module and operand the format, scaling block, scale kind and scale target, step by step.
 - `check_expected`: against the recipe the case declares for its modules (`RunSpec.expect`: module
   globs and recipe names, the vocabulary of `[recipes.NAME]`); a module expected to quantize that
   quantizes nothing fails with that sentence, counting what it cast that no GEMM consumed.
@@ -25,7 +32,39 @@ from precision_suite.numerics.layouts import WHOLE_AXIS, layout_text
 from precision_suite.training.recipes import GEMM_OPERANDS, HIGH_PRECISION, Operand, get_recipe
 from precision_suite.verdicts.findings import Finding, to_python
 
-NOT_OBSERVED = "none"  # how an empty observation reads in a message
+NOT_OBSERVED = "none"  # how an empty observation (or no recipe of the suite's) reads in a message
+_NAMED_MODULES = 3  # a change shared by more modules names this many of them, then counts the rest
+
+
+def check_recipes(current: xr.Dataset, reference: xr.Dataset, regen_hint: str = "") -> list[Finding]:
+    """Findings where the suite's recipe or the observed recipe of `current` differs from
+    `reference`'s (module docstring)."""
+    return [*check_trained_recipe(current, reference, regen_hint),
+            *check_observed_recipe(current, reference, regen_hint)]
+
+
+def check_trained_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint: str = "") -> list[Finding]:
+    """Findings where the suite's recipe `current` trained with differs from `reference`'s: one per
+    GEMM operand (format:layout[:stochastic]) or GEMM (accumulation) and change, naming the modules
+    it changed in. Nothing where `reference` does not record the recipe."""
+    reference = reference.isel(seed=0) if "seed" in reference.dims else reference
+    case = str(current.attrs.get("case", "?"))
+    after = f"; if intended, regenerate the reference: {regen_hint}" if regen_hint else ""
+    findings = []
+    for name, along in (("recipe_operand", "operand"), ("recipe_accumulation", "gemm")):
+        if name not in reference:
+            continue  # not recorded
+        changes: dict[tuple[str, Any, Any], list[str]] = {}
+        for module, differences in _differences(current, reference, name, along, None, ""):
+            for _, key, before, now in differences:
+                changes.setdefault((key, before, now), []).append(module)
+        for (key, before, now), modules in changes.items():
+            gemm, _, side = key.partition(".")
+            what = f"operand {side}" if side else "accumulation"
+            findings.append(_finding(case, name, {"module": modules[0], along: key}, np.nan, np.nan,
+                                     f"{_modules_text(modules)} {gemm} {what}: {before or NOT_OBSERVED} -> "
+                                     f"{now or NOT_OBSERVED} in the suite's recipe the run trained with{after}"))
+    return findings
 
 
 def check_observed_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint: str = "") -> list[Finding]:
@@ -132,11 +171,16 @@ def _empty(value: Any, empty: Any) -> bool:
     return value == empty
 
 
-def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any], empty: Any) -> dict[tuple, Any]:
-    """(step, module, along-value) -> value of variable `name`; absent cells read as `empty`."""
+def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None, empty: Any) -> dict[tuple, Any]:
+    """(step, module, along-value) -> value of variable `name`; absent cells read as `empty`.
+    `steps` None: a variable without a step dimension (its step reads None)."""
     if name not in ds:
         return {}
-    da = ds[name].sel(step=list(steps)).transpose("step", "module", along)
+    if steps is None:
+        da, steps = ds[name].expand_dims("step"), [None]
+    else:
+        da = ds[name].sel(step=list(steps))
+    da = da.transpose("step", "module", along)
     table = {}
     for i, step in enumerate(steps):
         for j, module in enumerate(da["module"].values):
@@ -147,13 +191,14 @@ def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any], empty: A
     return table
 
 
-def _differences(current: xr.Dataset, reference: xr.Dataset, name: str, along: str, steps: Sequence[Any],
+def _differences(current: xr.Dataset, reference: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None,
                  empty: Any) -> Iterator[tuple[str, list[tuple[Any, str, Any, Any]]]]:
     """Per module whose variable `name` differs: [(step, along-value, reference, current), ...],
-    earliest first."""
+    earliest first (`steps` None: no step dimension)."""
     now, before = _table(current, name, along, steps, empty), _table(reference, name, along, steps, empty)
+    order = [None] if steps is None else list(steps)
     by_module: dict[str, list[tuple[Any, str, Any, Any]]] = {}
-    for step, module, key in sorted(set(now) | set(before), key=lambda k: (steps.index(k[0]), k[1], k[2])):
+    for step, module, key in sorted(set(now) | set(before), key=lambda k: (order.index(k[0]), k[1], k[2])):
         b, c = before.get((step, module, key), empty), now.get((step, module, key), empty)
         if not (_empty(b, empty) and _empty(c, empty)) and b != c:
             by_module.setdefault(module, []).append((step, key, b, c))
@@ -181,6 +226,13 @@ def _operand_text(ds: xr.Dataset, module: str, operand: str, step: Any) -> str:
         if "observed_target" in ds else math.nan
     shown = "" if math.isnan(target) else f", target {target:g}"
     return f"{cell['observed_format']} ({cell.get('observed_block', '?')}, {cell.get('observed_scale', '?')}{shown})"
+
+
+def _modules_text(modules: Sequence[str]) -> str:
+    """"blocks.0.fc1" or "blocks.0.fc1, blocks.0.fc2, blocks.1.fc1 and 5 more modules"."""
+    if len(modules) <= _NAMED_MODULES:
+        return ", ".join(modules)
+    return f"{', '.join(modules[:_NAMED_MODULES])} and {len(modules) - _NAMED_MODULES} more modules"
 
 
 def _later(differences: Sequence[tuple]) -> str:
