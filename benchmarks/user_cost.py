@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 SIZES = {"2M": 256, "20M": 512, "100M": 1024}  # the Llama's width (user_models.SIZES)
 BATCH = 4
 CASE = """[[case]]
-name = "llama-fp8-{size}"
+name = "llama-fp8-{size}-every-{sample_every}"
 model = "user_models:llama_fp8"
 batches = "user_models:llama_batch"
 width = {width}
@@ -184,7 +184,12 @@ def training_cost(size: str, steps: int, sample_every: int, device: str) -> dict
 def child(argv: list[str]) -> None:
     started = time.perf_counter()
     sys.path.insert(0, str(HERE))
-    figures = bare(argv[1], int(argv[2])) if argv[0] == "bare" else cli(argv[1:])
+    if argv[0] == "bare":
+        figures = bare(argv[1], int(argv[2]))
+    elif argv[0] == "training":
+        figures = training_cost(argv[1], int(argv[2]), int(argv[3]), "cpu")
+    else:
+        figures = cli(argv[1:])
     print(json.dumps({**figures, "process_s": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}))
 
 
@@ -211,7 +216,7 @@ def measure_size(size: str, steps: int, sample_everies: list[int], baseline_dir:
     with tempfile.TemporaryDirectory(prefix=f"user-cost-{size}-") as tmp:
         folder = Path(work) / size if work else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        rows: dict[str, dict] = {"bare": measure(["bare", size, str(steps)], folder)}
+        rows: dict[str, dict] = {}
         baselines = baseline_dir or str(folder / "baselines")
         for every in sample_everies:
             config = folder / f"cases-{every}.toml"
@@ -220,20 +225,22 @@ def measure_size(size: str, steps: int, sample_everies: list[int], baseline_dir:
                 sys.path.insert(0, str(HERE))
                 runs = sum(regeneration_size(spec) for spec in config_specs(config))
                 update = measure(["cli", "baseline", "update", "--config", config.name, "--baseline-dir", baselines], folder)
-                rows[f"baseline update, sample_every {every} ({runs} runs)"] = {**update, "runs": runs}
-            rows[f"run, sample_every {every}"] = measure(
+                rows[f"baseline update, sample_every {every} ({runs} runs)"] = {**update, "runs": runs,
+                                                                                "against": f"bare {every}"}
+            # bare again before each run: a shared host's load drifts over the minutes an update takes
+            rows[f"bare {every}"] = measure(["bare", size, str(steps)], folder)
+            rows[f"run, sample_every {every}"] = {"against": f"bare {every}"} | measure(
                 ["cli", "run", "--config", config.name, "--baseline-dir", baselines, "--charts", "none",
                  "--workers", "1", "--report-dir", str(folder / f"report-{every}")], folder)
     return rows
 
 
 def table(size: str, rows: dict[str, dict]) -> str:
-    reference = rows["bare"]
-    lines = [f"## {size}: bare training {reference['wall_s']:.1f} s (its loop {reference['training_s']:.1f} s), "
-             f"peak RSS {reference['peak_rss_mb']:.0f} MB",
-             "| measurement | wall s | x bare | peak RSS x bare | " + " | ".join(PARTS) + " |",
-             "|---|---|---|---|" + "---|" * len(PARTS)]
+    """Each measurement against the bare training measured next to it (the one before its run)."""
+    lines = [f"## {size}", "| measurement | wall s | x bare | peak RSS MB | peak RSS x bare | " + " | ".join(PARTS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(PARTS)]
     for name, row in rows.items():
+        reference = rows[row.get("against", name)]
         ratio = row["wall_s"] / reference["wall_s"]
         parts = ["" for _ in PARTS]
         if name.startswith("run"):
@@ -242,8 +249,21 @@ def table(size: str, rows: dict[str, dict]) -> str:
             parts = [f"{own[part] / reference['wall_s']:.2f}" for part in PARTS]
         if "runs" in row:
             name = f"{name}: {ratio / row['runs']:.2f} x bare per run"
-        lines.append(f"| {name} | {row['wall_s']:.1f} | {ratio:.2f} | {row['peak_rss_mb'] / reference['peak_rss_mb']:.2f} | "
+        lines.append(f"| {name} | {row['wall_s']:.1f} | {ratio:.2f} | {row['peak_rss_mb']:.0f} | "
+                     f"{row['peak_rss_mb'] / reference['peak_rss_mb']:.2f} | "
                      + " | ".join(parts) + " |")
+    return "\n".join(lines)
+
+
+def training_table(size: str, rows: dict[int, dict]) -> str:
+    lines = [f"## {size}: the training of `run` against the bare loop (one process per row)",
+             "| sample_every | bare s | run s | x bare | probes x bare | accumulation error x bare | rest x bare |",
+             "|---|---|---|---|---|---|---|"]
+    for every, row in rows.items():
+        bare_s = row["bare_s"]
+        rest = row["run_s"] - bare_s - row["probes_s"] - row["accumulation error_s"]
+        lines.append(f"| {every} | {bare_s:.1f} | {row['run_s']:.1f} | {row['ratio']:.2f} | {row['probes_s'] / bare_s:.2f} | "
+                     f"{row['accumulation error_s'] / bare_s:.2f} | {rest / bare_s:.2f} |")
     return "\n".join(lines)
 
 
@@ -257,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sample-every", default="2,10", help="comma-separated, e.g. 2,10")
     parser.add_argument("--baseline-dir", help="a folder holding the cases' baselines already: skip baseline update")
+    parser.add_argument("--training-only", action="store_true",
+                        help="only the training `run` does (runs.run), against the bare loop, in one process per "
+                             "sample_every: no baselines, judging or report (minutes where baseline update takes an hour)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--work", help="measure in this folder and keep it (its baselines serve a later "
                                        "--baseline-dir WORK/SIZE/baselines), not in a temporary one")
@@ -265,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     figures = {}
     for size in ("20M", "100M") if args.size == "both" else [args.size]:
         started = time.perf_counter()
+        if args.training_only:
+            figures[size] = {every: measure(["training", size, str(args.steps), str(every)], Path.cwd())
+                             for every in sample_everies}
+            print(training_table(size, figures[size]))
+            print(f"({size}: measured in {time.perf_counter() - started:.0f} s)\n", flush=True)
+            continue
         figures[size] = measure_size(size, args.steps, sample_everies, args.baseline_dir, args.work)
         print(table(size, figures[size]))
         print(f"({size}: measured in {time.perf_counter() - started:.0f} s)\n", flush=True)
