@@ -53,10 +53,14 @@ quick: $(BIN)/.installed
 	$(BIN)/python -m pytest -n auto --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 # Ratios against their goals (printed at the end of the pytest run), then the warm-up tax of a
-# fresh process per format and of a small run per recipe (benchmarks/warmup.py).
+# fresh process per format and of a small run per recipe (benchmarks/warmup.py), then what checking a
+# user's 17M-parameter model costs against training it (benchmarks/user_cost.py: about 16 minutes on
+# a shared 2-core host; USER_COST_ARGS="--size 100M --training-only" for the 101M one).
+USER_COST_ARGS ?= --size 20M
 bench: $(BIN)/.installed
 	$(BIN)/python -m pytest tests/test_bench_quant.py tests/test_bench_probes.py tests/test_bench_observation.py --benchmark-enable -p no:xdist
 	$(BIN)/python benchmarks/warmup.py --small-runs
+	$(BIN)/python benchmarks/user_cost.py $(USER_COST_ARGS)
 
 # The prepared check of the CUDA path (issue 25). It uses the current python, never the venv: on
 # the GPU machine the CUDA build of torch is already installed and no registry can be reached, so

@@ -29,6 +29,10 @@ error and the rest still run), under 5 minutes in all on CUDA:
   speed          `quant_error` against `out.copy_(x)`; probes every 10th step and every step
                  against a step without probes; one default case's training time
   quick_matrix   `precision-suite run --quick --device DEVICE`, judged against the CPU baselines
+  user_cost      what checking a user's model costs (benchmarks/user_cost.py, issue 39): the
+                 17M-parameter HF Llama converted by torchao, trained by `runs.run` (the training
+                 of `precision-suite run`) against its bare loop, at sample_every 2 and 10: the
+                 ratio, the probes' and the accumulation error's seconds, peak CUDA memory
 Writes DIR/gpu_check.json (every part: status ok / failed / timeout / skipped, reason, seconds,
 figures) and DIR/gpu_check.md; exits 0 when every part ran (skipped with a reason counts as ran).
 --tiny shrinks every size (a 2-core CPU finishes in about a minute); --device cpu runs the CPU path
@@ -38,6 +42,7 @@ and says that CUDA was absent.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -57,9 +62,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-TOTAL_BUDGET_S = 290.0  # all parts, so that the whole check fits in 5 minutes
+TOTAL_BUDGET_S = 380.0  # all parts, so that the whole check fits in about 6 minutes
 PART_TIMEOUT_S = {"environment": 60, "quantization": 150, "gemm": 60, "accumulation": 60, "speed": 90,
-                  "quick_matrix": 150}
+                  "quick_matrix": 150, "user_cost": 90}
+# the user model's size (benchmarks/user_models.py) and the sample_every values of the user_cost part
+USER_COST = {"size": "20M", "steps": 8, "sample_every": (2, 10)}
+USER_COST_TINY = {"size": "2M", "steps": 4, "sample_every": (2,)}
 # the quickest case of the quick matrix (13 s of training on host A): what --tiny judges
 TINY_CASE = "vit-x-1-fp32"
 # quantization cases: (format, layout); element casts use a format of their own (see below)
@@ -533,9 +541,25 @@ def part_quick_matrix(ctx: Context) -> dict[str, Any]:
             "report": str(report.relative_to(ctx.out))}
 
 
+def part_user_cost(ctx: Context) -> dict[str, Any]:
+    missing = [name for name in ("transformers", "torchao") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Skip(f"{' and '.join(missing)} not installed: the user model is a transformers Llama converted by "
+                   "torchao (bring them as wheels, see the docstring)")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import user_cost
+
+    settings = USER_COST_TINY if ctx.tiny else USER_COST
+    return {"size": settings["size"], "steps": settings["steps"], "device": ctx.device,
+            "note": "training only (no baselines, judging or report); ratios of one process's timings",
+            "by_sample_every": {every: user_cost.training_cost(settings["size"], settings["steps"], every, ctx.device)
+                                for every in settings["sample_every"]}}
+
+
 PARTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "environment": part_environment, "quantization": part_quantization, "gemm": part_gemm,
     "accumulation": part_accumulation, "speed": part_speed, "quick_matrix": part_quick_matrix,
+    "user_cost": part_user_cost,
 }
 
 
@@ -637,6 +661,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"## Quick matrix: {quick['verdict'].upper()} (exit {quick['exit_status']})", "",
                   f"`{quick['command']}`", ""]
         lines += [f"- {c['case']}: {c['status']}, {len(c['findings'])} findings" for c in quick["cases"]]
+    cost = parts["user_cost"]["figures"]
+    if cost:
+        lines += ["", f"## A user's model ({cost['size']} HF Llama, torchao float8) on {cost['device']}", "",
+                  "| sample_every | bare s | run s | x bare | probes s | accumulation error s | peak memory x bare |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {every} | {c['bare_s']:.2f} | {c['run_s']:.2f} | {c['ratio']:.2f} | {c['probes_s']:.2f} | "
+                  f"{c['accumulation error_s']:.2f} | {c.get('peak_ratio', float('nan')):.2f} |"
+                  for every, c in cost["by_sample_every"].items()]
     return "\n".join(lines) + "\n"
 
 

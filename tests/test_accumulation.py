@@ -421,3 +421,48 @@ def test_the_metric_grows_with_k_under_fast_accumulation_and_not_under_promotion
     assert promoted == pytest.approx(127 * 2.0**-d / exact, rel=1e-12)
     assert fast > (k // 2 - 1) * 2.0**-d / (1 + (k // 2 - 1) * 2.0**-d)  # above its value at K / 2
     assert promoted <= 127 * 2.0**-d / (1 + 127 * 2.0**-d)  # at most its value at K = 128
+
+
+# ----------------------------------------------------------------------------- sampled outputs (issue 39)
+
+def _fp8_gemm(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E4M3 a (M, K) with one scale per row, b (K, N) with one per column, from N(0, 1) data."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    scale_a, scale_b = x.abs().amax(1, keepdim=True) / 448, w.abs().amax(0, keepdim=True) / 448
+    return (x / scale_a).to(torch.float8_e4m3fn), (w / scale_b).to(torch.float8_e4m3fn), scale_a, scale_b
+
+
+def test_the_output_subset_is_a_function_of_the_shape_alone():
+    rows, columns = accumulation.output_subset(512, 1376)
+    again = accumulation.output_subset(512, 1376)
+    assert torch.equal(rows, again[0]) and torch.equal(columns, again[1])
+    assert len(rows) == accumulation.SAMPLED_ROWS and len(columns) == accumulation.SAMPLED_COLUMNS
+    assert len(set(rows.tolist())) == len(rows) and bool((rows[1:] > rows[:-1]).all()) and int(rows[-1]) < 512
+    assert accumulation.output_subset(accumulation.SAMPLED_ROWS, 64) == (None, None)  # small: measured whole
+
+
+def test_sampled_sums_are_the_subsets_sums_scaled_to_the_whole_output():
+    a, b, scale_a, scale_b = _fp8_gemm(300, 256, 200, seed=3)
+    modes = list(accumulation.WHAT_IF)
+    sampled = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
+    rows, columns = accumulation.output_subset(300, 200)
+    subset = accumulation.error_sums_by_mode(a[rows], b[:, columns], scale_a[rows], scale_b[:, columns], modes)
+    weight = 300 * 200 / (len(rows) * len(columns))
+    for got, part in zip(sampled, subset):
+        assert torch.equal(got[:3], part[:3] * weight) and float(got[3]) == 300 * 200
+
+
+def test_a_gemm_within_the_subset_or_with_a_nonfinite_operand_is_measured_whole():
+    modes = list(accumulation.WHAT_IF)
+    small = _fp8_gemm(accumulation.SAMPLED_ROWS, 256, 64, seed=4)
+    for got, whole in zip(accumulation.error_sums_by_mode(*small, modes, sampled=True),
+                          accumulation.error_sums_by_mode(*small, modes)):
+        assert torch.equal(got, whole)
+    a, b, scale_a, scale_b = _fp8_gemm(300, 256, 200, seed=5)
+    a = a.view(torch.uint8).clone()
+    a[7, 9] = 0x7F  # an E4M3 NaN: the outputs it reaches are counted, not estimated
+    a = a.view(torch.float8_e4m3fn)
+    got = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
+    whole = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes)
+    assert all(torch.equal(x, y) for x, y in zip(got, whole)) and float(whole[0][2]) == 200

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-PARTS = ["environment", "quantization", "gemm", "accumulation", "speed", "quick_matrix"]
+PARTS = ["environment", "quantization", "gemm", "accumulation", "speed", "quick_matrix", "user_cost"]
 
 
 @pytest.mark.slow  # about a minute: a precision-suite run of one quick case and two small trainings
@@ -32,3 +32,6 @@ def test_tiny_gpu_check_on_cpu(tmp_path):
     assert accumulation["bit_exact"] and accumulation["outputs_compared"] > 0 and "mmaemu" in accumulation["reference"]
     assert report["parts"][5]["figures"]["verdict"] == "pass"
     assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (cpu, tiny)")
+    cost = report["parts"][6]["figures"]  # a user's model through the suite's training, against its bare loop
+    [timed] = cost["by_sample_every"].values()
+    assert timed["bare_s"] > 0 and timed["run_s"] > 0 and timed["accumulation error_s"] > 0

@@ -70,10 +70,12 @@ LAW_DATA = ("same-sign", "mixed-sign")
 # From this many products per GEMM (M * N * K) the chain's two steps run as torch.compile'd
 # kernels, whatever a run decided for its quantizers (PRECISION_SUITE_COMPILE=0 still keeps them
 # eager): eagerly a product costs about 2 ns, compiled about 0.2 ns (one thread of a 2-core
-# host), so such a GEMM saves some 30 ms a call, and a run that emulates one does so for three
-# GEMMs per layer and step: the compile tax (seconds, once per process with a warm kernel cache)
-# is paid back within its first steps.
-COMPILE_MIN_PRODUCTS = 1 << 24
+# host), so such a GEMM saves some 15 ms a call, and a run that emulates one does so for three
+# GEMMs per layer, two modes each, per sampled step: the compile tax (seconds, once per process
+# with a warm kernel cache) is paid back within its first step. 1 << 23 is a run's sampled
+# output (`output_subset`, 128 x 128) over K = 512: a 17M-parameter model's GEMMs compile, the
+# suite's tiny test models' (K <= 256) stay eager.
+COMPILE_MIN_PRODUCTS = 1 << 23
 
 _ZERO = -1000  # exponent code of a zero element: any sum with it stays below _FLOOR
 # Floor of the alignment exponent E: below the exponent of any nonzero product (>= -28) or chain
@@ -527,13 +529,63 @@ def accumulation_error_sums(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     return sums
 
 
+# The outputs a training run measures the accumulation error on, per GEMM: at most this many rows
+# of C (rows of a) times this many columns (columns of b), drawn once per shape (`output_subset`).
+# The emulation costs products, M * N * K: a 512 x 1376 output of a 17M-parameter Llama costs 43x
+# less, a 128 x 128 one is measured whole. Measured on that Llama's 87 GEMMs of a step
+# (docs/performance.md): the estimate of the relative error is off the whole output's by 3% rms
+# (12% at most), and log(hopper-fast / hopper-promoted), a change of accumulation as a verdict
+# sees it (1.04 there), by 0.04 rms: the plants move it 25 times that. The subset is the same in
+# a baseline's seeds and the run, so what it adds is part of the seed ensemble's spread.
+SAMPLED_ROWS = SAMPLED_COLUMNS = 128
+_SUBSET_SEED = 39
+
+
+def output_subset(m: int, n: int, rows: int = SAMPLED_ROWS, columns: int = SAMPLED_COLUMNS
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows (of M) and columns (of N) of C a run measures, sorted; None: all of them.
+
+    A function of the shape alone (a seeded permutation): the same GEMM of a baseline and of a
+    run, on any host and thread count, measures the same outputs."""
+    def pick(size: int, count: int, axis: int) -> torch.Tensor | None:
+        if size <= count:
+            return None
+        generator = torch.Generator().manual_seed(_SUBSET_SEED * 1_000_003 + 2 * size + axis)
+        return torch.randperm(size, generator=generator)[:count].sort().values
+
+    return pick(m, rows, 0), pick(n, columns, 1)
+
+
+def _subset_of(x: torch.Tensor | float, index: torch.Tensor | None, dim: int, size: int) -> torch.Tensor | float:
+    """x's entries at `index` along `dim` where x has `size` there (a scale constant along it has 1)."""
+    if index is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[dim] != size:
+        return x
+    return x.index_select(dim, index.to(x.device))
+
+
 def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
                        accumulations: Sequence[Accumulation], *, elements: tuple[str, str] | None = None,
-                       computed: Mapping[Accumulation, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+                       computed: Mapping[Accumulation, torch.Tensor] | None = None,
+                       sampled: bool = False) -> list[torch.Tensor | None]:
     """`accumulation_error_sums` of one GEMM under each of `accumulations`, each GEMM and the
     float64 product R computed once; None for a mode the hardware cannot run with these scales
     (`runs_on`). `computed`: `scaled_gemm` results already at hand (the GEMM as a run computed it),
-    used instead of computing them again."""
+    used instead of computing them again.
+
+    sampled: measure only `output_subset`'s outputs (finite operands; with a NaN or Inf every
+    output is measured, so that what is not finite is counted exactly), their sums scaled by
+    M * N over the outputs measured: estimates of the whole output's sums, which add across GEMMs
+    as the exact ones do; ``outputs`` stays M * N."""
+    shaped = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() == 2
+    m, n = (a.shape[0], b.shape[1]) if shaped else (0, 0)
+    rows, columns = output_subset(m, n) if sampled and shaped else (None, None)
+    if (rows is not None or columns is not None) and _finite_operands(a, b):
+        a, scale_a = _subset_of(a, rows, 0, m), _subset_of(scale_a, rows, 0, m)
+        b, scale_b = _subset_of(b, columns, 1, n), _subset_of(scale_b, columns, 1, n)
+        computed = {mode: _subset_of(_subset_of(c, rows, 0, m), columns, 1, n) for mode, c in (computed or {}).items()}
+        sums = error_sums_by_mode(a, b, scale_a, scale_b, accumulations, elements=elements, computed=computed)
+        weight = m * n / (a.shape[0] * b.shape[1])
+        return [None if s is None else torch.cat([s[:3] * weight, s.new_tensor([float(m * n)])]) for s in sums]
     reference = None
     results = dict(computed or {})
     out: list[torch.Tensor | None] = []
@@ -553,6 +605,15 @@ def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor |
         out.append(torch.stack([(error * error).sum(), (exact * exact).sum(), (~kept).sum().double(),
                                 torch.tensor(float(c.numel()), dtype=torch.float64, device=c.device)]))
     return out
+
+
+def _finite_operands(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether every element of a and b is finite (float8 codes read through the value table)."""
+    def finite(x: torch.Tensor) -> bool:
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            x = x.float()
+        return bool(torch.isfinite(x).all())
+    return finite(a) and finite(b)
 
 
 def _float64_product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,

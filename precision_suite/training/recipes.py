@@ -528,11 +528,12 @@ def emulated_gemm(recipe: Recipe, gemm: str, a: Consumed, b: Consumed,
 
 
 def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulations: Sequence[Accumulation],
-                    computed: Mapping[Accumulation, Tensor] | None = None) -> list[Tensor | None]:
+                    computed: Mapping[Accumulation, Tensor] | None = None, sampled: bool = False) -> list[Tensor | None]:
     """`accumulation_error_sums` of GEMM `gemm` of `recipe` under each of `accumulations`: how far
     it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands);
     None for a hopper mode the hardware cannot run with the operands' scales (`runs_on`).
-    `computed`: results of the GEMM already at hand (`emulated_gemm`'s), not computed again."""
+    `computed`: results of the GEMM already at hand (`emulated_gemm`'s), not computed again.
+    `sampled`: the hopper modes on `accumulation.output_subset`'s outputs (`error_sums_by_mode`)."""
     fp32 = Accumulation()
     sums: dict[Accumulation, Tensor | None] = {}
     if fp32 in accumulations:
@@ -543,7 +544,7 @@ def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumul
     if hopper:
         with unobserved():  # the suite's emulation (its casts to FP8 codes), not the model's own quantization
             measured = error_sums_by_mode(*_oriented_factors(recipe, gemm, a, b), hopper,
-                                          elements=_elements(recipe, gemm), computed=computed)
+                                          elements=_elements(recipe, gemm), computed=computed, sampled=sampled)
         sums.update(zip(hopper, measured))
     return [sums[accumulation if accumulation.hopper else fp32] for accumulation in accumulations]
 

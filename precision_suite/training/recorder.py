@@ -30,7 +30,9 @@ do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``recipes.add_gemm_ob
 operands and its result) or a scaled GEMM of the model's own code (its ``use_fast_accum``
 selecting the mode), is measured
 against the float64 product of the same quantized operands, as it ran and under each mode of
-``accumulation.WHAT_IF`` (``accumulation_sums``, docs/runs.md). GEMMs that accumulate in float32
+``accumulation.WHAT_IF`` (``accumulation_sums``, docs/runs.md), on a fixed subset of its outputs
+(``accumulation.output_subset``: at most 128 rows x 128 columns, the same in every run of the
+shape; the sums scaled to the whole output's). GEMMs that accumulate in float32
 record nothing, so runs without such GEMMs have none of these variables.
 
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
@@ -313,7 +315,7 @@ class Recorder:
             return
         declared = getattr(recipe, gemm).accumulation
         with _outside_capture():
-            errors = gemm_error_sums(recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out})
+            errors = gemm_error_sums(recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out}, sampled=True)
         _add_errors(into, name, gemm, declared, reduction_length(gemm, a), errors)
 
     def _observed_gemm(self, into: dict, call: GemmCall) -> None:
@@ -327,7 +329,7 @@ class Recorder:
             Accumulation("hopper-fast" if call.fast_accumulation else "hopper-promoted")
         with _outside_capture():
             errors = error_sums_by_mode(call.a.detach(), call.b.detach(), *scales,
-                                        [as_run, *WHAT_IF] if as_run is not None else WHAT_IF)
+                                        [as_run, *WHAT_IF] if as_run is not None else WHAT_IF, sampled=True)
         errors = errors if as_run is not None else [None, *errors]
         _add_errors(into, call.module, call.gemm, as_run, call.a.shape[1], errors)
 
