@@ -14,5 +14,7 @@ pytest_plugins = ["pytester"]
 
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("precision_suite"):
-        raise pytest.UsageError("precision-suite's pytest plugin is not loaded: install the package "
-                                "(pip install -e .) so that its pytest11 entry point is registered")
+        raise pytest.UsageError(
+            "precision-suite's pytest plugin is not loaded: install the package "
+            "(pip install -e .) so that its pytest11 entry point is registered"
+        )

@@ -23,10 +23,18 @@ from precision_suite.numerics.accumulation import ACCUMULATION_MODES, error_law
 
 
 def markdown(table: list[dict[str, object]], rows: int) -> str:
-    lines = [f"Relative error ||C - R||_F / ||R||_F of a {rows} x K x {rows} E4M3 GEMM against float64", "",
-             "| K | data | " + " | ".join(ACCUMULATION_MODES) + " |", "|---|---|" + "---|" * len(ACCUMULATION_MODES)]
-    lines += [f"| {row['K']} | {row['data']} | " + " | ".join(f"{row[mode]:.3e}" for mode in ACCUMULATION_MODES) + " |"
-              for row in table]
+    lines = [
+        f"Relative error ||C - R||_F / ||R||_F of a {rows} x K x {rows} E4M3 GEMM against float64",
+        "",
+        "| K | data | " + " | ".join(ACCUMULATION_MODES) + " |",
+        "|---|---|" + "---|" * len(ACCUMULATION_MODES),
+    ]
+    lines += [
+        f"| {row['K']} | {row['data']} | "
+        + " | ".join(f"{row[mode]:.3e}" for mode in ACCUMULATION_MODES)
+        + " |"
+        for row in table
+    ]
     return "\n".join(lines)
 
 
@@ -39,7 +47,9 @@ def main() -> int:
     table = error_law(args.rows, args.seed)
     print(markdown(table, args.rows))
     if args.json:
-        args.json.write_text(json.dumps({"rows": args.rows, "seed": args.seed, "table": table}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"rows": args.rows, "seed": args.seed, "table": table}, indent=1) + "\n"
+        )
     return 0
 
 

@@ -39,8 +39,13 @@ def main() -> int:
     def both(a, b, scale_a, scale_b, modes, **kwargs):
         sub = sampled_sums(a, b, scale_a, scale_b, modes, **kwargs)
         whole = sampled_sums(a, b, scale_a, scale_b, modes, **{**kwargs, "sampled": False})
-        calls.append((where["now"], [None if s is None else s.numpy() for s in whole],
-                      [None if s is None else s.numpy() for s in sub]))
+        calls.append(
+            (
+                where["now"],
+                [None if s is None else s.numpy() for s in whole],
+                [None if s is None else s.numpy() for s in sub],
+            )
+        )
         return sub
 
     def observed(self, into, call):
@@ -48,15 +53,24 @@ def main() -> int:
         return observed_gemm(self, into, call)
 
     recorder.error_sums_by_mode, recorder.Recorder._observed_gemm = both, observed
-    spec = RunSpec(model="user_models:llama_fp8", batches="user_models:llama_batch", steps=1, sample_every=1,
-                   device="cpu", batch_size=BATCH, width=SIZES[args.size])
+    spec = RunSpec(
+        model="user_models:llama_fp8",
+        batches="user_models:llama_batch",
+        steps=1,
+        sample_every=1,
+        device="cpu",
+        batch_size=BATCH,
+        width=SIZES[args.size],
+    )
     with seeded(spec) as device:
         Trainer(spec, device).step(0, sample=True)
 
     def error(sums):
         return np.sqrt(sums[0] / sums[1])
 
-    per_gemm = [error(s) / error(w) - 1 for _, whole, sub in calls for w, s in zip(whole, sub) if w is not None]
+    per_gemm = [
+        error(s) / error(w) - 1 for _, whole, sub in calls for w, s in zip(whole, sub) if w is not None
+    ]
     pooled = collections.defaultdict(lambda: [0.0, 0.0])
     for (module, gemm), whole, sub in calls:
         layer = re.search(r"layers\.(\d+)", module)
@@ -65,17 +79,26 @@ def main() -> int:
                 cell = pooled[layer.group(1) if layer else module, gemm, mode]
                 cell[0], cell[1] = cell[0] + w, cell[1] + s
     per_layer = [error(s) / error(w) - 1 for w, s in pooled.values()]
-    change = [(0.5 * np.log((s[1][0] / s[1][1]) / (s[2][0] / s[2][1])),
-               0.5 * np.log((w[1][0] / w[1][1]) / (w[2][0] / w[2][1])))
-              for _, w, s in calls if w[1] is not None and w[2] is not None]
+    change = [
+        (
+            0.5 * np.log((s[1][0] / s[1][1]) / (s[2][0] / s[2][1])),
+            0.5 * np.log((w[1][0] / w[1][1]) / (w[2][0] / w[2][1])),
+        )
+        for _, w, s in calls
+        if w[1] is not None and w[2] is not None
+    ]
     for name, values in (("per GEMM", per_gemm), ("per layer, GEMM and mode", per_layer)):
         values = np.asarray(values)
-        print(f"{name} ({len(values)}): estimate / whole - 1: rms {np.sqrt(np.mean(values ** 2)):.4f}, "
-              f"largest {np.abs(values).max():.4f}")
+        print(
+            f"{name} ({len(values)}): estimate / whole - 1: rms {np.sqrt(np.mean(values**2)):.4f}, "
+            f"largest {np.abs(values).max():.4f}"
+        )
     change = np.asarray(change)
-    print(f"log(fast / promoted) ({len(change)} GEMMs): whole {change[:, 1].mean():.3f} on average; estimate - whole: "
-          f"rms {np.sqrt(np.mean((change[:, 0] - change[:, 1]) ** 2)):.4f}, "
-          f"largest {np.abs(change[:, 0] - change[:, 1]).max():.4f}")
+    print(
+        f"log(fast / promoted) ({len(change)} GEMMs): whole {change[:, 1].mean():.3f} on average; estimate - whole: "
+        f"rms {np.sqrt(np.mean((change[:, 0] - change[:, 1]) ** 2)):.4f}, "
+        f"largest {np.abs(change[:, 0] - change[:, 1]).max():.4f}"
+    )
     return 0
 
 

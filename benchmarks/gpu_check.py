@@ -63,25 +63,46 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TOTAL_BUDGET_S = 380.0  # all parts, so that the whole check fits in about 6 minutes
-PART_TIMEOUT_S = {"environment": 60, "quantization": 150, "gemm": 60, "accumulation": 60, "speed": 90,
-                  "quick_matrix": 150, "user_cost": 90}
+PART_TIMEOUT_S = {
+    "environment": 60,
+    "quantization": 150,
+    "gemm": 60,
+    "accumulation": 60,
+    "speed": 90,
+    "quick_matrix": 150,
+    "user_cost": 90,
+}
 # the user model's size (benchmarks/user_models.py) and the sample_every values of the user_cost part
 USER_COST = {"size": "20M", "steps": 8, "sample_every": (2, 10)}
 USER_COST_TINY = {"size": "2M", "steps": 4, "sample_every": (2,)}
 # the quickest case of the quick matrix (13 s of training on host A): what --tiny judges
 TINY_CASE = "vit-x-1-fp32"
 # quantization cases: (format, layout); element casts use a format of their own (see below)
-LAYOUT_CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e4m3", (128, 128)), ("mxfp8", (1, 32)),
-                ("mxfp8", (32, 1)), ("nvfp4", (1, 16)), ("nvfp4", (16, 1))]
+LAYOUT_CASES = [
+    ("e4m3", (1, 128)),
+    ("e4m3", (128, 1)),
+    ("e4m3", (128, 128)),
+    ("mxfp8", (1, 32)),
+    ("mxfp8", (32, 1)),
+    ("nvfp4", (1, 16)),
+    ("nvfp4", (16, 1)),
+]
 # element -> the format that carries it, and its ml_dtypes twin (the independent oracle)
-ELEMENT_CASES = {"e4m3": ("e4m3", "float8_e4m3fn"), "e5m2": ("e5m2", "float8_e5m2"),
-                 "e2m1": ("nvfp4", "float4_e2m1fn")}
+ELEMENT_CASES = {
+    "e4m3": ("e4m3", "float8_e4m3fn"),
+    "e5m2": ("e5m2", "float8_e5m2"),
+    "e2m1": ("nvfp4", "float4_e2m1fn"),
+}
 SPEED_CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("mxfp8", (1, 32)), ("nvfp4", (1, 16))]
 # (M, K, N) of the accumulation part: on the GPU at least two 128 x 128 output tiles per SM of an
 # H100 (132 SMs), where cuBLAS has no reason to split K (a split would show as mismatches that
 # grow with K); on the CPU small enough for mmaemu's float64 model
-ACCUMULATION_SHAPES = {"cuda": [(2048, 1024, 2048), (2048, 4096, 2048)], "cuda-tiny": [(2048, 1024, 2048)],
-                       "cpu": [(64, 1024, 64), (64, 4096, 32)], "cpu-tiny": [(32, 512, 32)]}
+ACCUMULATION_SHAPES = {
+    "cuda": [(2048, 1024, 2048), (2048, 4096, 2048)],
+    "cuda-tiny": [(2048, 1024, 2048)],
+    "cpu": [(64, 1024, 64), (64, 4096, 32)],
+    "cpu-tiny": [(32, 512, 32)],
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +117,7 @@ class Skip(Exception):
 
 
 # ----------------------------------------------------------------------------- helpers (children)
+
 
 @contextmanager
 def compile_setting(value: str | None) -> Iterator[None]:
@@ -119,8 +141,11 @@ def bit_comparison(subject: Any, reference: Any) -> dict[str, Any]:
     differ = (s.view(torch.int32) != r.view(torch.int32)) & ~(s.isnan() & r.isnan())
     finite = s.isfinite() & r.isfinite()
     diff = (s[finite].double() - r[finite].double()).abs()
-    return {"numel": s.numel(), "mismatches": int(differ.sum()),
-            "max_abs_diff": float(diff.max()) if diff.numel() else 0.0}
+    return {
+        "numel": s.numel(),
+        "mismatches": int(differ.sum()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+    }
 
 
 def wide_tensor(rows: int, cols: int, seed: int) -> Any:
@@ -132,7 +157,9 @@ def wide_tensor(rows: int, cols: int, seed: int) -> Any:
     gen = torch.Generator().manual_seed(seed)
     centre = torch.rand(rows, 1, generator=gen, dtype=torch.float64) * 180 - 140
     span = torch.rand(rows, 1, generator=gen, dtype=torch.float64) * 40
-    log2 = (centre + (torch.rand(rows, cols, generator=gen, dtype=torch.float64) - 0.5) * span).clamp(-149, 40)
+    log2 = (centre + (torch.rand(rows, cols, generator=gen, dtype=torch.float64) - 0.5) * span).clamp(
+        -149, 40
+    )
     sign = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0).double()
     x = (sign * torch.exp2(log2)).float()
     pick = torch.rand(rows, cols, generator=gen)
@@ -148,19 +175,29 @@ def element_probes(element: Any, random_count: int, seed: int) -> Any:
     import torch
 
     quantum = 2.0 ** (element.emin - element.man_bits)
-    steps = 2 ** element.man_bits
+    steps = 2**element.man_bits
     values = [m * quantum for m in range(steps)] + [
-        (steps + m) * 2.0 ** (e - element.man_bits) for e in range(element.emin, element.emax + 1) for m in range(steps)]
+        (steps + m) * 2.0 ** (e - element.man_bits)
+        for e in range(element.emin, element.emax + 1)
+        for m in range(steps)
+    ]
     grid = torch.tensor(sorted(v for v in values if v <= element.max), dtype=torch.float64)
     mids = ((grid[1:] + grid[:-1]) / 2).float()
-    ties = torch.cat([mids, torch.nextafter(mids, torch.tensor(float("inf"))),
-                      torch.nextafter(mids, torch.tensor(float("-inf")))])
+    ties = torch.cat(
+        [
+            mids,
+            torch.nextafter(mids, torch.tensor(float("inf"))),
+            torch.nextafter(mids, torch.tensor(float("-inf"))),
+        ]
+    )
     gen = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-2**31, 2**31, (random_count,), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31, (random_count,), generator=gen, dtype=torch.int64).to(torch.int32)
     random = bits.view(torch.float32)
     random = random[random.isfinite() & (random.abs() <= element.max)]
     magnitudes = torch.cat([grid.float(), ties, random.abs()])
-    return torch.cat([magnitudes, -magnitudes, torch.tensor([element.max, float("inf"), float("-inf"), float("nan")])])
+    return torch.cat(
+        [magnitudes, -magnitudes, torch.tensor([element.max, float("inf"), float("-inf"), float("nan")])]
+    )
 
 
 def ml_dtypes_cast(x: Any, dtype_name: str, max_value: float) -> Any | None:
@@ -245,6 +282,7 @@ def missing_dependencies() -> list[str]:
 
 # ----------------------------------------------------------------------------- parts (children)
 
+
 def part_environment(ctx: Context) -> dict[str, Any]:
     import torch
 
@@ -260,10 +298,14 @@ def part_environment(ctx: Context) -> dict[str, Any]:
         "missing_dependencies": missing_dependencies(),
     }
     if figures["cuda_available"]:
-        figures["gpus"] = [{"name": torch.cuda.get_device_name(i),
-                            "capability": list(torch.cuda.get_device_capability(i)),
-                            "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
-                           for i in range(torch.cuda.device_count())]
+        figures["gpus"] = [
+            {
+                "name": torch.cuda.get_device_name(i),
+                "capability": list(torch.cuda.get_device_capability(i)),
+                "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+            }
+            for i in range(torch.cuda.device_count())
+        ]
     try:
         import precision_suite
         from precision_suite import quantize, run  # noqa: F401  (torch alone; xarray and friends)
@@ -300,11 +342,14 @@ def part_quantization(ctx: Context) -> dict[str, Any]:
         x = element_probes(element, 2**14 if ctx.tiny else 2**20, seed=len(cases))
         with compile_setting("0"):
             reference = quantize(x, cast, "tensor").dequantized
-        case = {"case": f"{name} element cast", "vs_cpu_eager": bit_comparison(
-            quantize(x.to(device), cast, "tensor").dequantized, reference)}
+        case = {
+            "case": f"{name} element cast",
+            "vs_cpu_eager": bit_comparison(quantize(x.to(device), cast, "tensor").dequantized, reference),
+        }
         oracle = ml_dtypes_cast(x[~x.isnan()], oracle_dtype, element.max)
-        case["vs_ml_dtypes"] = (bit_comparison(reference[~x.isnan()], oracle) if oracle is not None
-                                else "ml_dtypes not installed")
+        case["vs_ml_dtypes"] = (
+            bit_comparison(reference[~x.isnan()], oracle) if oracle is not None else "ml_dtypes not installed"
+        )
         cases.append(case)
     for fmt, layout in LAYOUT_CASES:
         x = wide_tensor(rows, cols, seed=len(cases))
@@ -314,24 +359,37 @@ def part_quantization(ctx: Context) -> dict[str, Any]:
         on_device = x.to(device)
         with compile_setting("0"):
             eager = quantize(on_device, fmt, layout).dequantized
-        cases.append({
-            "case": f"{fmt} {layout[0]}x{layout[1]}",
-            "vs_cpu_eager": bit_comparison(quantize(on_device, fmt, layout).dequantized, reference),
-            "eager_vs_cpu_eager": bit_comparison(eager, reference),
-            "quant_error_max_rel_diff": metrics_max_rel_diff(quant_error(on_device, fmt, layout), reference_metrics),
-        })
-    mismatches = sum(c["vs_cpu_eager"]["mismatches"] + c.get("eager_vs_cpu_eager", {}).get("mismatches", 0)
-                     + (c["vs_ml_dtypes"]["mismatches"] if isinstance(c.get("vs_ml_dtypes"), dict) else 0)
-                     for c in cases)
+        cases.append(
+            {
+                "case": f"{fmt} {layout[0]}x{layout[1]}",
+                "vs_cpu_eager": bit_comparison(quantize(on_device, fmt, layout).dequantized, reference),
+                "eager_vs_cpu_eager": bit_comparison(eager, reference),
+                "quant_error_max_rel_diff": metrics_max_rel_diff(
+                    quant_error(on_device, fmt, layout), reference_metrics
+                ),
+            }
+        )
+    mismatches = sum(
+        c["vs_cpu_eager"]["mismatches"]
+        + c.get("eager_vs_cpu_eager", {}).get("mismatches", 0)
+        + (c["vs_ml_dtypes"]["mismatches"] if isinstance(c.get("vs_ml_dtypes"), dict) else 0)
+        for c in cases
+    )
     figures: dict[str, Any] = {
-        "device": ctx.device, "reference": "CPU eager (PRECISION_SUITE_COMPILE=0)",
-        "subject": f"{ctx.device}, default path (compiled from 32768 elements) and eager", "shape": [rows, cols],
-        "bit_exact": mismatches == 0, "total_mismatches": mismatches, "cases": cases,
+        "device": ctx.device,
+        "reference": "CPU eager (PRECISION_SUITE_COMPILE=0)",
+        "subject": f"{ctx.device}, default path (compiled from 32768 elements) and eager",
+        "shape": [rows, cols],
+        "bit_exact": mismatches == 0,
+        "total_mismatches": mismatches,
+        "cases": cases,
     }
     if ctx.device == "cpu":
-        figures["note"] = ("CUDA absent: the device path is the CPU's own, so vs_cpu_eager compares it with "
-                           "itself (the compiled kernels only from 32768 elements); element casts are "
-                           "checked against ml_dtypes, an independent oracle")
+        figures["note"] = (
+            "CUDA absent: the device path is the CPU's own, so vs_cpu_eager compares it with "
+            "itself (the compiled kernels only from 32768 elements); element casts are "
+            "checked against ml_dtypes, an independent oracle"
+        )
     return figures
 
 
@@ -353,28 +411,41 @@ def part_gemm(ctx: Context) -> dict[str, Any]:
     a = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen) * 2)).cuda()
     b = (torch.randn(n, k, generator=gen) * 0.02).cuda()
     exact = a.double() @ b.double().T
-    variants = {"tensorwise": ("tensor", "tensor", torch.float32),
-                "rowwise": ((1, k), (1, k), torch.bfloat16),
-                "block 1x128 x 128x128": ((1, 128), (128, 128), torch.bfloat16)}
+    variants = {
+        "tensorwise": ("tensor", "tensor", torch.float32),
+        "rowwise": ((1, k), (1, k), torch.bfloat16),
+        "block 1x128 x 128x128": ((1, 128), (128, 128), torch.bfloat16),
+    }
     results = []
     for name, (layout_a, layout_b, out_dtype) in variants.items():
         qa, qb = quantize(a, "e4m3", layout_a), quantize(b, "e4m3", layout_b)
         emulated = qa.dequantized @ qb.dequantized.T
         result: dict[str, Any] = {
-            "variant": name, "shape": [m, k, n], "out_dtype": str(out_dtype).replace("torch.", ""),
+            "variant": name,
+            "shape": [m, k, n],
+            "out_dtype": str(out_dtype).replace("torch.", ""),
             "emulated_rel_error": rel_frobenius(emulated, exact),
-            "quantized_operands_exact_rel_error": rel_frobenius(qa.dequantized.double() @ qb.dequantized.double().T, exact),
+            "quantized_operands_exact_rel_error": rel_frobenius(
+                qa.dequantized.double() @ qb.dequantized.double().T, exact
+            ),
         }
         try:
             scale_a, scale_b = scaled_mm_scales(qa.scales, qb.scales, layout_a)
-            hardware = scaled_mm(fp8_elements(a, qa.scales, layout_a), fp8_elements(b, qb.scales, layout_b).T,
-                                 scale_a, scale_b, out_dtype)
+            hardware = scaled_mm(
+                fp8_elements(a, qa.scales, layout_a),
+                fp8_elements(b, qb.scales, layout_b).T,
+                scale_a,
+                scale_b,
+                out_dtype,
+            )
             result["hardware_rel_error"] = rel_frobenius(hardware, exact)
             # the emulation's fidelity: how far it lands from the hardware, in the output's dtype
             result["emulated_vs_hardware_rel_diff"] = rel_frobenius(emulated.to(out_dtype), hardware.double())
         except (RuntimeError, TypeError, NotImplementedError) as err:
-            result["hardware"] = f"not run by torch {torch.__version__} on sm_{capability[0]}{capability[1]}: " \
-                                 f"{str(err).splitlines()[0][:300]}"
+            result["hardware"] = (
+                f"not run by torch {torch.__version__} on sm_{capability[0]}{capability[1]}: "
+                f"{str(err).splitlines()[0][:300]}"
+            )
         results.append(result)
     return {"variants": results, "capability": list(capability)}
 
@@ -388,22 +459,32 @@ def part_accumulation(ctx: Context) -> dict[str, Any]:
     if ctx.device == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability[0] != 9:
-            raise Skip("the model is of Hopper's FP8 tensor cores (sm_90); "
-                       f"this GPU is sm_{capability[0]}{capability[1]}")
+            raise Skip(
+                "the model is of Hopper's FP8 tensor cores (sm_90); "
+                f"this GPU is sm_{capability[0]}{capability[1]}"
+            )
         if not hasattr(torch, "_scaled_mm"):
             raise Skip(f"torch {torch.__version__} has no torch._scaled_mm")
-        reference_name, reference = f"torch._scaled_mm on {torch.cuda.get_device_name()}", scaled_mm_accumulation
+        reference_name, reference = (
+            f"torch._scaled_mm on {torch.cuda.get_device_name()}",
+            scaled_mm_accumulation,
+        )
     else:
         try:
             import mmaemu
         except ImportError:
-            raise Skip("CUDA absent and mmaemu not installed: nothing to compare the emulation with") from None
+            raise Skip(
+                "CUDA absent and mmaemu not installed: nothing to compare the emulation with"
+            ) from None
         reference_name = f"mmaemu {mmaemu.__version__} (H100 PCIe model, unsplit), CUDA absent"
 
         def reference(a: Any, b: Any, scale_a: Any, scale_b: Any, fast: bool) -> Any:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # splitk=1 is explicit
-                return mmaemu.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+                return mmaemu.scaled_mm(
+                    a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1
+                )
+
     FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # noqa: N806
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -420,24 +501,39 @@ def part_accumulation(ctx: Context) -> dict[str, Any]:
             scale_a, scale_b = qa.scales.reshape(()).to(ctx.device), qw.scales.reshape(()).to(ctx.device)
             for fast in (True, False):
                 native = reference(a, b, scale_a, scale_b, fast)
-                with compile_setting("0"):  # the eager steps: the same bits as the compiled ones, no compile time
+                with compile_setting(
+                    "0"
+                ):  # the eager steps: the same bits as the compiled ones, no compile time
                     ours = scaled_gemm(a, b, scale_a, scale_b, "hopper-fast" if fast else "hopper-promoted")
                 float32 = scaled_gemm(a, b, scale_a, scale_b, "fp32")
-                cases.append({"shape": [m, k, n], "elements": f"{element_a} x e4m3", "use_fast_accum": fast,
-                              "emulation": bit_comparison(ours, native),
-                              "float32_gemm_for_contrast": bit_comparison(float32, native)})
+                cases.append(
+                    {
+                        "shape": [m, k, n],
+                        "elements": f"{element_a} x e4m3",
+                        "use_fast_accum": fast,
+                        "emulation": bit_comparison(ours, native),
+                        "float32_gemm_for_contrast": bit_comparison(float32, native),
+                    }
+                )
     mismatches = sum(c["emulation"]["mismatches"] for c in cases)
-    return {"device": ctx.device, "reference": reference_name,
-            "gpu": torch.cuda.get_device_name() if ctx.device == "cuda" else None,
-            "bit_exact": mismatches == 0, "total_mismatches": mismatches,
-            "outputs_compared": sum(c["emulation"]["numel"] for c in cases), "cases": cases}
+    return {
+        "device": ctx.device,
+        "reference": reference_name,
+        "gpu": torch.cuda.get_device_name() if ctx.device == "cuda" else None,
+        "bit_exact": mismatches == 0,
+        "total_mismatches": mismatches,
+        "outputs_compared": sum(c["emulation"]["numel"] for c in cases),
+        "cases": cases,
+    }
 
 
 def scaled_mm_accumulation(a: Any, b: Any, scale_a: Any, scale_b: Any, fast: bool) -> Any:
     """torch._scaled_mm with float32 output and the given accumulation (use_fast_accum)."""
     import torch
 
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, use_fast_accum=fast)
+    out = torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, use_fast_accum=fast
+    )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -452,7 +548,9 @@ def fp8_elements(x: Any, scales: Any, layout: object) -> Any:
     if layout == "tensor":
         full = scales.reshape(())
     else:
-        full = scales.repeat_interleave(layout[0], 0).repeat_interleave(layout[1], 1)[: x.shape[0], : x.shape[1]]
+        full = scales.repeat_interleave(layout[0], 0).repeat_interleave(layout[1], 1)[
+            : x.shape[0], : x.shape[1]
+        ]
     return (x / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
@@ -485,32 +583,58 @@ def part_speed(ctx: Context) -> dict[str, Any]:
     x = torch.randn(side, side, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     out = torch.empty_like(x)
     copy_s = median_seconds(lambda: out.copy_(x), ctx.device, repeats)
-    metric = [{"format": fmt, "layout": f"{layout[0]}x{layout[1]}",
-               "seconds": (s := median_seconds(lambda fmt=fmt, layout=layout: quant_error(x, fmt, layout), ctx.device, repeats)),
-               "ratio_to_copy": s / copy_s} for fmt, layout in SPEED_CASES]
+    metric = [
+        {
+            "format": fmt,
+            "layout": f"{layout[0]}x{layout[1]}",
+            "seconds": (
+                s := median_seconds(
+                    lambda fmt=fmt, layout=layout: quant_error(x, fmt, layout), ctx.device, repeats
+                )
+            ),
+            "ratio_to_copy": s / copy_s,
+        }
+        for fmt, layout in SPEED_CASES
+    ]
     # probes, as tests/test_bench_probes.py: the default GPT in float32; one run, each step timed
-    probes_spec = RunSpec(model="gpt", device=ctx.device, steps=21 if ctx.tiny else 41, sample_every=10,
-                          **({"depth": 2} if ctx.tiny else {}))
+    probes_spec = RunSpec(
+        model="gpt",
+        device=ctx.device,
+        steps=21 if ctx.tiny else 41,
+        sample_every=10,
+        **({"depth": 2} if ctx.tiny else {}),
+    )
     step_s = timed_steps(probes_spec, run)
     sampled = set(probes_spec.sampled_steps())
     # step 0 pays the warm-up (compiling or loading kernels); step 1 the optimizer's first state
     plain = statistics.median(t for i, t in enumerate(step_s) if i > 1 and i not in sampled)
     probed = statistics.median(t for i, t in enumerate(step_s) if i > 0 and i in sampled)
-    default_case = RunSpec(model="gpt", attention="softmax", recipe="fp8-block", device=ctx.device,
-                           **({"steps": 3} if ctx.tiny else {}))
+    default_case = RunSpec(
+        model="gpt",
+        attention="softmax",
+        recipe="fp8-block",
+        device=ctx.device,
+        **({"steps": 3} if ctx.tiny else {}),
+    )
     default_s = sum(timed_steps(default_case, run))
     return {
         "device": ctx.device,
         "metric_pass": {"shape": [side, side], "copy_seconds": copy_s, "quant_error": metric},
-        "probes": {"spec": json.loads(probes_spec.to_json()), "plain_step_seconds": plain,
-                   "probed_step_seconds": probed,
-                   "every_step_ratio": probed / plain,
-                   "every_10th_step_ratio": (9 * plain + probed) / (10 * plain),
-                   "note": "medians of one run's step times (steps 0 and 1 left out); every 10th step "
-                           "is derived as 9 plain steps and one probed step"},
-        "default_case": {"case": case_id(default_case), "steps": default_case.steps,
-                         "training_seconds": default_s,
-                         **({"note": "tiny: 3 of the case's 50 steps"} if ctx.tiny else {})},
+        "probes": {
+            "spec": json.loads(probes_spec.to_json()),
+            "plain_step_seconds": plain,
+            "probed_step_seconds": probed,
+            "every_step_ratio": probed / plain,
+            "every_10th_step_ratio": (9 * plain + probed) / (10 * plain),
+            "note": "medians of one run's step times (steps 0 and 1 left out); every 10th step "
+            "is derived as 9 plain steps and one probed step",
+        },
+        "default_case": {
+            "case": case_id(default_case),
+            "steps": default_case.steps,
+            "training_seconds": default_s,
+            **({"note": "tiny: 3 of the case's 50 steps"} if ctx.tiny else {}),
+        },
     }
 
 
@@ -524,8 +648,19 @@ def timed_steps(spec: Any, run: Callable[..., Any]) -> list[float]:
 def part_quick_matrix(ctx: Context) -> dict[str, Any]:
     folder = ctx.out / "quick_matrix"
     report = folder / "report"
-    command = [*precision_suite_command(), "run", "--quick", "--device", ctx.device, "--charts", "none",
-               "--save-results", str(folder / "results"), "--report-dir", str(report)]
+    command = [
+        *precision_suite_command(),
+        "run",
+        "--quick",
+        "--device",
+        ctx.device,
+        "--charts",
+        "none",
+        "--save-results",
+        str(folder / "results"),
+        "--report-dir",
+        str(report),
+    ]
     if ctx.tiny:
         command += ["--case", TINY_CASE, "--workers", "1"]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -534,31 +669,49 @@ def part_quick_matrix(ctx: Context) -> dict[str, Any]:
     if not (report / "summary.json").exists():
         raise RuntimeError(f"exit {proc.returncode}, no summary.json: {proc.stderr[-2000:]}")
     summary = json.loads((report / "summary.json").read_text())
-    return {"command": " ".join(command), "exit_status": proc.returncode, "verdict": summary["overall"],
-            "counts": summary["counts"],
-            "cases": [{k: case[k] for k in ("case", "status", "findings", "known_violation")}
-                      for case in summary["cases"]],
-            "report": str(report.relative_to(ctx.out))}
+    return {
+        "command": " ".join(command),
+        "exit_status": proc.returncode,
+        "verdict": summary["overall"],
+        "counts": summary["counts"],
+        "cases": [
+            {k: case[k] for k in ("case", "status", "findings", "known_violation")}
+            for case in summary["cases"]
+        ],
+        "report": str(report.relative_to(ctx.out)),
+    }
 
 
 def part_user_cost(ctx: Context) -> dict[str, Any]:
     missing = [name for name in ("transformers", "torchao") if importlib.util.find_spec(name) is None]
     if missing:
-        raise Skip(f"{' and '.join(missing)} not installed: the user model is a transformers Llama converted by "
-                   "torchao (bring them as wheels, see the docstring)")
+        raise Skip(
+            f"{' and '.join(missing)} not installed: the user model is a transformers Llama converted by "
+            "torchao (bring them as wheels, see the docstring)"
+        )
     sys.path.insert(0, str(REPO / "benchmarks"))
     import user_cost
 
     settings = USER_COST_TINY if ctx.tiny else USER_COST
-    return {"size": settings["size"], "steps": settings["steps"], "device": ctx.device,
-            "note": "training only (no baselines, judging or report); ratios of one process's timings",
-            "by_sample_every": {every: user_cost.training_cost(settings["size"], settings["steps"], every, ctx.device)
-                                for every in settings["sample_every"]}}
+    return {
+        "size": settings["size"],
+        "steps": settings["steps"],
+        "device": ctx.device,
+        "note": "training only (no baselines, judging or report); ratios of one process's timings",
+        "by_sample_every": {
+            every: user_cost.training_cost(settings["size"], settings["steps"], every, ctx.device)
+            for every in settings["sample_every"]
+        },
+    }
 
 
 PARTS: dict[str, Callable[[Context], dict[str, Any]]] = {
-    "environment": part_environment, "quantization": part_quantization, "gemm": part_gemm,
-    "accumulation": part_accumulation, "speed": part_speed, "quick_matrix": part_quick_matrix,
+    "environment": part_environment,
+    "quantization": part_quantization,
+    "gemm": part_gemm,
+    "accumulation": part_accumulation,
+    "speed": part_speed,
+    "quick_matrix": part_quick_matrix,
     "user_cost": part_user_cost,
 }
 
@@ -574,14 +727,25 @@ def run_part_here(name: str, ctx: Context) -> None:
 
 # ----------------------------------------------------------------------------- parent
 
+
 def run_part(name: str, ctx: Context, timeout: float) -> dict[str, Any]:
     """Run one part in its own process group, killed whole (the CLI's workers too) on timeout."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(ctx.out),
-               "--device", ctx.device, *(["--tiny"] if ctx.tiny else [])]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--part",
+        name,
+        "--out",
+        str(ctx.out),
+        "--device",
+        ctx.device,
+        *(["--tiny"] if ctx.tiny else []),
+    ]
     print(f"gpu_check: {name} (timeout {timeout:.0f} s) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _, stderr = proc.communicate(timeout=max(timeout, 1.0))
         timed_out = False
@@ -592,7 +756,11 @@ def run_part(name: str, ctx: Context, timeout: float) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     result_file = ctx.out / "parts" / f"{name}.json"
     if timed_out:
-        record = {"status": "timeout", "reason": f"killed after {timeout:.0f} s; stderr: {stderr[-1500:]}", "figures": {}}
+        record = {
+            "status": "timeout",
+            "reason": f"killed after {timeout:.0f} s; stderr: {stderr[-1500:]}",
+            "figures": {},
+        }
     elif proc.returncode != 0 or not result_file.exists():
         record = {"status": "failed", "reason": f"exit {proc.returncode}: {stderr[-3000:]}", "figures": {}}
     else:
@@ -604,71 +772,128 @@ def run_part(name: str, ctx: Context, timeout: float) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """The human summary of gpu_check.json."""
     parts = {p["part"]: p for p in report["parts"]}
-    lines = [f"# GPU check ({report['device']}{', tiny' if report['tiny'] else ''})", "",
-             f"CUDA: {'present' if report['cuda_available'] else 'absent'}. All parts ran: "
-             f"{'yes' if report['all_ran'] else 'no'}. {report['seconds']:.1f} s in all.", "",
-             "| part | status | seconds | reason |", "|---|---|---|---|"]
-    lines += [f"| {p['part']} | {p['status']} | {p['seconds']:.1f} | {one_line(p['reason'])} |" for p in report["parts"]]
+    lines = [
+        f"# GPU check ({report['device']}{', tiny' if report['tiny'] else ''})",
+        "",
+        f"CUDA: {'present' if report['cuda_available'] else 'absent'}. All parts ran: "
+        f"{'yes' if report['all_ran'] else 'no'}. {report['seconds']:.1f} s in all.",
+        "",
+        "| part | status | seconds | reason |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['part']} | {p['status']} | {p['seconds']:.1f} | {one_line(p['reason'])} |"
+        for p in report["parts"]
+    ]
     env = parts["environment"]["figures"]
     if env:
-        gpus = ", ".join(f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})" for g in env.get("gpus", []))
-        lines += ["", f"torch {env['torch']} (CUDA {env['torch_cuda']}), python {env['python']}, "
-                      f"{env['cpu']}; GPU: {gpus or 'none'}; missing: {', '.join(env['missing_dependencies']) or 'nothing'}"
-                      + (f"; import: {env['import_error']}" if "import_error" in env else "")]
+        gpus = ", ".join(
+            f"{g['name']} (sm_{g['capability'][0]}{g['capability'][1]})" for g in env.get("gpus", [])
+        )
+        lines += [
+            "",
+            f"torch {env['torch']} (CUDA {env['torch_cuda']}), python {env['python']}, "
+            f"{env['cpu']}; GPU: {gpus or 'none'}; missing: {', '.join(env['missing_dependencies']) or 'nothing'}"
+            + (f"; import: {env['import_error']}" if "import_error" in env else ""),
+        ]
     quant = parts["quantization"]["figures"]
     if quant:
-        lines += ["", f"## Quantization on {quant['device']} against {quant['reference']}", "",
-                  "| case | elements | mismatches | max abs diff | eager mismatches | vs ml_dtypes | quant_error rel diff |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Quantization on {quant['device']} against {quant['reference']}",
+            "",
+            "| case | elements | mismatches | max abs diff | eager mismatches | vs ml_dtypes | quant_error rel diff |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for c in quant["cases"]:
             oracle = c.get("vs_ml_dtypes", "")
-            lines.append(f"| {c['case']} | {c['vs_cpu_eager']['numel']} | {c['vs_cpu_eager']['mismatches']} | "
-                         f"{c['vs_cpu_eager']['max_abs_diff']:.3g} | {c.get('eager_vs_cpu_eager', {}).get('mismatches', '')} | "
-                         f"{oracle['mismatches'] if isinstance(oracle, dict) else oracle} | "
-                         f"{c.get('quant_error_max_rel_diff', '')} |")
+            lines.append(
+                f"| {c['case']} | {c['vs_cpu_eager']['numel']} | {c['vs_cpu_eager']['mismatches']} | "
+                f"{c['vs_cpu_eager']['max_abs_diff']:.3g} | {c.get('eager_vs_cpu_eager', {}).get('mismatches', '')} | "
+                f"{oracle['mismatches'] if isinstance(oracle, dict) else oracle} | "
+                f"{c.get('quant_error_max_rel_diff', '')} |"
+            )
         lines += ["", quant.get("note", "")]
     gemm = parts["gemm"]["figures"]
     if gemm:
-        lines += ["", "## FP8 GEMM: relative Frobenius error against float64", "",
-                  "| variant | out | emulated | hardware | emulated vs hardware |", "|---|---|---|---|---|"]
-        lines += [f"| {v['variant']} | {v['out_dtype']} | {v['emulated_rel_error']:.3e} | "
-                  f"{v.get('hardware_rel_error', one_line(v.get('hardware', '')))} | "
-                  f"{v.get('emulated_vs_hardware_rel_diff', '')} |" for v in gemm["variants"]]
+        lines += [
+            "",
+            "## FP8 GEMM: relative Frobenius error against float64",
+            "",
+            "| variant | out | emulated | hardware | emulated vs hardware |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {v['variant']} | {v['out_dtype']} | {v['emulated_rel_error']:.3e} | "
+            f"{v.get('hardware_rel_error', one_line(v.get('hardware', '')))} | "
+            f"{v.get('emulated_vs_hardware_rel_diff', '')} |"
+            for v in gemm["variants"]
+        ]
     accumulation = parts["accumulation"]["figures"]
     if accumulation:
-        lines += ["", f"## Tensor-core accumulation model against {accumulation['reference']}", "",
-                  f"Bit for bit: {'yes' if accumulation['bit_exact'] else 'no'}, "
-                  f"{accumulation['total_mismatches']} mismatches in {accumulation['outputs_compared']} outputs.", "",
-                  "| M x K x N | elements | fast | mismatches | max abs diff | float32 GEMM mismatches |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {'x'.join(map(str, c['shape']))} | {c['elements']} | {c['use_fast_accum']} | "
-                  f"{c['emulation']['mismatches']} | {c['emulation']['max_abs_diff']:.3g} | "
-                  f"{c['float32_gemm_for_contrast']['mismatches']} |" for c in accumulation["cases"]]
+        lines += [
+            "",
+            f"## Tensor-core accumulation model against {accumulation['reference']}",
+            "",
+            f"Bit for bit: {'yes' if accumulation['bit_exact'] else 'no'}, "
+            f"{accumulation['total_mismatches']} mismatches in {accumulation['outputs_compared']} outputs.",
+            "",
+            "| M x K x N | elements | fast | mismatches | max abs diff | float32 GEMM mismatches |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {'x'.join(map(str, c['shape']))} | {c['elements']} | {c['use_fast_accum']} | "
+            f"{c['emulation']['mismatches']} | {c['emulation']['max_abs_diff']:.3g} | "
+            f"{c['float32_gemm_for_contrast']['mismatches']} |"
+            for c in accumulation["cases"]
+        ]
     speed = parts["speed"]["figures"]
     if speed:
         metric_pass = speed["metric_pass"]
-        lines += ["", f"## Speed on {speed['device']}", "",
-                  f"`out.copy_(x)` of {metric_pass['shape']}: {metric_pass['copy_seconds'] * 1e3:.3f} ms", "",
-                  "| quant_error | ms | ratio to copy |", "|---|---|---|"]
-        lines += [f"| {q['format']} {q['layout']} | {q['seconds'] * 1e3:.3f} | {q['ratio_to_copy']:.2f}x |"
-                  for q in metric_pass["quant_error"]]
+        lines += [
+            "",
+            f"## Speed on {speed['device']}",
+            "",
+            f"`out.copy_(x)` of {metric_pass['shape']}: {metric_pass['copy_seconds'] * 1e3:.3f} ms",
+            "",
+            "| quant_error | ms | ratio to copy |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {q['format']} {q['layout']} | {q['seconds'] * 1e3:.3f} | {q['ratio_to_copy']:.2f}x |"
+            for q in metric_pass["quant_error"]
+        ]
         probes, case = speed["probes"], speed["default_case"]
-        lines += ["", f"Probes: plain step {probes['plain_step_seconds'] * 1e3:.1f} ms, every step "
-                      f"{probes['every_step_ratio']:.2f}x, every 10th step {probes['every_10th_step_ratio']:.2f}x. "
-                      f"Default case {case['case']}: {case['training_seconds']:.1f} s for {case['steps']} steps."]
+        lines += [
+            "",
+            f"Probes: plain step {probes['plain_step_seconds'] * 1e3:.1f} ms, every step "
+            f"{probes['every_step_ratio']:.2f}x, every 10th step {probes['every_10th_step_ratio']:.2f}x. "
+            f"Default case {case['case']}: {case['training_seconds']:.1f} s for {case['steps']} steps.",
+        ]
     quick = parts["quick_matrix"]["figures"]
     if quick:
-        lines += ["", f"## Quick matrix: {quick['verdict'].upper()} (exit {quick['exit_status']})", "",
-                  f"`{quick['command']}`", ""]
+        lines += [
+            "",
+            f"## Quick matrix: {quick['verdict'].upper()} (exit {quick['exit_status']})",
+            "",
+            f"`{quick['command']}`",
+            "",
+        ]
         lines += [f"- {c['case']}: {c['status']}, {len(c['findings'])} findings" for c in quick["cases"]]
     cost = parts["user_cost"]["figures"]
     if cost:
-        lines += ["", f"## A user's model ({cost['size']} HF Llama, torchao float8) on {cost['device']}", "",
-                  "| sample_every | bare s | run s | x bare | probes s | accumulation error s | peak memory x bare |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {every} | {c['bare_s']:.2f} | {c['run_s']:.2f} | {c['ratio']:.2f} | {c['probes_s']:.2f} | "
-                  f"{c['accumulation error_s']:.2f} | {c.get('peak_ratio', float('nan')):.2f} |"
-                  for every, c in cost["by_sample_every"].items()]
+        lines += [
+            "",
+            f"## A user's model ({cost['size']} HF Llama, torchao float8) on {cost['device']}",
+            "",
+            "| sample_every | bare s | run s | x bare | probes s | accumulation error s | peak memory x bare |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {every} | {c['bare_s']:.2f} | {c['run_s']:.2f} | {c['ratio']:.2f} | {c['probes_s']:.2f} | "
+            f"{c['accumulation error_s']:.2f} | {c.get('peak_ratio', float('nan')):.2f} |"
+            for every, c in cost["by_sample_every"].items()
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -692,22 +917,37 @@ def main() -> int:
     deadline = start + TOTAL_BUDGET_S
     env = run_part("environment", Context(out, "cpu", args.tiny), PART_TIMEOUT_S["environment"])
     figures = env["figures"]
-    for problem in ([f"import precision_suite fails: {figures['import_error']}"] if "import_error" in figures else []) + \
-            [f"missing dependency {name}" for name in figures.get("missing_dependencies", [])]:
-        print(f"gpu_check: {problem}; bring it as a wheel (see the docstring of benchmarks/gpu_check.py)",
-              file=sys.stderr, flush=True)
+    for problem in (
+        [f"import precision_suite fails: {figures['import_error']}"] if "import_error" in figures else []
+    ) + [f"missing dependency {name}" for name in figures.get("missing_dependencies", [])]:
+        print(
+            f"gpu_check: {problem}; bring it as a wheel (see the docstring of benchmarks/gpu_check.py)",
+            file=sys.stderr,
+            flush=True,
+        )
     cuda = bool(figures.get("cuda_available"))
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     ctx = Context(out, device, args.tiny)
-    parts = [env] + [run_part(name, ctx, min(PART_TIMEOUT_S[name], deadline - time.perf_counter()))
-                     for name in PARTS if name != "environment"]
-    report = {"device": device, "tiny": args.tiny, "cuda_available": cuda,
-              "all_ran": all(p["status"] in ("ok", "skipped") for p in parts),
-              "seconds": round(time.perf_counter() - start, 2), "parts": parts}
+    parts = [env] + [
+        run_part(name, ctx, min(PART_TIMEOUT_S[name], deadline - time.perf_counter()))
+        for name in PARTS
+        if name != "environment"
+    ]
+    report = {
+        "device": device,
+        "tiny": args.tiny,
+        "cuda_available": cuda,
+        "all_ran": all(p["status"] in ("ok", "skipped") for p in parts),
+        "seconds": round(time.perf_counter() - start, 2),
+        "parts": parts,
+    }
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "gpu_check.md").write_text(markdown(report))
-    print(f"gpu_check: {'every part ran' if report['all_ran'] else 'some parts failed'}; "
-          f"{out / 'gpu_check.json'}", file=sys.stderr)
+    print(
+        f"gpu_check: {'every part ran' if report['all_ran'] else 'some parts failed'}; "
+        f"{out / 'gpu_check.json'}",
+        file=sys.stderr,
+    )
     return 0 if report["all_ran"] else 1
 
 

@@ -31,19 +31,31 @@ from precision_suite.jobs.selection import Selection  # noqa: E402
 from synthetic_data import history_store  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-PLANT_CASE, PLANT_CELL, PLANT_FROM = "gpt-softmax-fp8-block", dict(layer=5, tensor="gradient", layout="1x128"), 30
+PLANT_CASE, PLANT_CELL, PLANT_FROM = (
+    "gpt-softmax-fp8-block",
+    dict(layer=5, tensor="gradient", layout="1x128"),
+    30,
+)
 
 
 def build(store: Path, n_commits: int) -> list[str]:
     cases = sorted(p.stem for p in (ROOT / "baselines").glob("*.nc"))
-    return history_store(store, ROOT / "baselines", cases, n_commits,
-                         plant=(PLANT_CASE, "underflow", PLANT_CELL, 4.0, 10.0, PLANT_FROM))
+    return history_store(
+        store,
+        ROOT / "baselines",
+        cases,
+        n_commits,
+        plant=(PLANT_CASE, "underflow", PLANT_CELL, 4.0, 10.0, PLANT_FROM),
+    )
 
 
 def time_report(store: Path, charts: str) -> float:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        assert cli.main(["history", "report", "--store", str(store), "--report-dir", out, "--charts", charts]) == 0
+        assert (
+            cli.main(["history", "report", "--store", str(store), "--report-dir", out, "--charts", charts])
+            == 0
+        )
         return time.perf_counter() - start
 
 
@@ -55,11 +67,13 @@ def compare_asv(store: Path, planted: set[tuple]) -> None:
     for case in cases:
         for step in case.steps:
             found["precision-suite (ruptures PELT, twins' noise)"].append(
-                (case.case, step.kind, step.metric, tuple(step.where.items()), step.index))
+                (case.case, step.kind, step.metric, tuple(step.where.items()), step.index)
+            )
         for s in case.series:
             segments = detect_steps([float(v) for v in s.y])
             found["asv detect_steps (own noise estimate)"] += [
-                (case.case, s.kind, s.metric, tuple(s.where.items()), left) for left, *_ in segments[1:]]
+                (case.case, s.kind, s.metric, tuple(s.where.items()), left) for left, *_ in segments[1:]
+            ]
     n_series = sum(len(c.series) for c in cases)
     print(f"\n{n_series} series; planted: {len(planted)}")
     print("| detector | steps at the plant | steps elsewhere |\n|---|---|---|")
@@ -81,8 +95,11 @@ def main() -> None:
             start = time.perf_counter()
             build(store, args.commits)
             print(f"built {args.commits} commits in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            planted = {(PLANT_CASE, kind, "underflow", tuple(PLANT_CELL.items()), PLANT_FROM)
-                       for kind in ("trained", "replay") if PLANT_FROM < args.commits}
+            planted = {
+                (PLANT_CASE, kind, "underflow", tuple(PLANT_CELL.items()), PLANT_FROM)
+                for kind in ("trained", "replay")
+                if PLANT_FROM < args.commits
+            }
         records = len(list(store.glob("*/*/*.nc")))
         for charts in ("all", "none"):
             print(f"history report --charts {charts}: {records} records, {time_report(store, charts):.1f} s")

@@ -24,11 +24,20 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from precision_suite import cli  # noqa: E402
 from test_teeth import scale_four_times_too_large, stale_quantized_weight, switched_on_late, wrong_scale  # noqa: E402
 
-DEFAULT_CASES = ("vit-softmax-fp32", "gpt-softmax-fp8-block", "gpt-softmax-mxfp8-2d293d63", "gpt-softmax-nvfp4-2d293d63")
+DEFAULT_CASES = (
+    "vit-softmax-fp32",
+    "gpt-softmax-fp8-block",
+    "gpt-softmax-mxfp8-2d293d63",
+    "gpt-softmax-nvfp4-2d293d63",
+)
 PLANTS = {
     "block scale 4x from step 0": scale_four_times_too_large,
-    "block scale 4x from step 10": functools.partial(switched_on_late, plant=scale_four_times_too_large, onset=10),
-    "block scale 4x from step 40": functools.partial(switched_on_late, plant=scale_four_times_too_large, onset=40),
+    "block scale 4x from step 10": functools.partial(
+        switched_on_late, plant=scale_four_times_too_large, onset=10
+    ),
+    "block scale 4x from step 40": functools.partial(
+        switched_on_late, plant=scale_four_times_too_large, onset=40
+    ),
     "block scale 256x from step 10": functools.partial(switched_on_late, plant=wrong_scale, onset=10),
     "weight quantized once, reused after every update": stale_quantized_weight,
 }
@@ -64,7 +73,9 @@ def main(argv: list[str]) -> int:
         finally:
             patch.undo()
         for case in json.loads((report / "summary.json").read_text())["cases"]:
-            failing = [f for f in case["findings"] if f["kind"] in ("regression", "threshold") and not f["known"]]
+            failing = [
+                f for f in case["findings"] if f["kind"] in ("regression", "threshold") and not f["known"]
+            ]
             seen = sorted({origin(f) for f in failing}, key=lambda o: (o[1], o[0]))
             where = ", ".join(f"{o} (step {s})" for o, s in seen[:3]) or "-"
             rows.append(f"| {name} | {case['case']} | {case['status'].upper()} | {len(failing)} | {where} |")

@@ -57,11 +57,15 @@ OUTER_PARTS = {
     "report": [("precision_suite.jobs.checking", "finish")],
 }
 INNER_PARTS = {
-    "probes": [("precision_suite.training.recorder", "quant_stats"),
-               ("precision_suite.training.recorder", "_attention_norm"),
-               ("precision_suite.training.recorder", "_sdpa_attention")],
-    "accumulation error": [("precision_suite.training.recorder", "error_sums_by_mode"),
-                           ("precision_suite.training.recorder", "gemm_error_sums")],
+    "probes": [
+        ("precision_suite.training.recorder", "quant_stats"),
+        ("precision_suite.training.recorder", "_attention_norm"),
+        ("precision_suite.training.recorder", "_sdpa_attention"),
+    ],
+    "accumulation error": [
+        ("precision_suite.training.recorder", "error_sums_by_mode"),
+        ("precision_suite.training.recorder", "gemm_error_sums"),
+    ],
 }
 TRAINING = ("precision_suite.jobs.train", "_train")  # the run's own training (inclusive)
 PARTS = ("probes", "observation", "accumulation error", "replays", "baselines read", "judging", "report")
@@ -69,10 +73,14 @@ PARTS = ("probes", "observation", "accumulation error", "replays", "baselines re
 
 def peak_rss_mb() -> float:
     """The largest resident set of this process or any child it waited for, MB (Linux: KB)."""
-    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
+    return (
+        max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        / 1024
+    )
 
 
 # ----------------------------------------------------------------------------- children
+
 
 class Spec:
     """What user_models reads of a case."""
@@ -132,6 +140,7 @@ def timing_parts(parts: dict[str, list[tuple[str, str]]], outer: tuple[str, ...]
                 spent[part] += elapsed if part == "training" else elapsed - inner
                 if stack:
                     stack[-1][1] += elapsed
+
         return call
 
     for part, targets in parts.items():
@@ -170,15 +179,27 @@ def training_cost(size: str, steps: int, sample_every: int, device: str) -> dict
             figures["bare_s"] = bare(size, steps, device)["training_s"]
         else:
             spent = timing_parts(INNER_PARTS)
-            spec = RunSpec(model="user_models:llama_fp8", batches="user_models:llama_batch", width=SIZES[size],
-                           batch_size=BATCH, steps=steps, sample_every=sample_every, device=device)
+            spec = RunSpec(
+                model="user_models:llama_fp8",
+                batches="user_models:llama_batch",
+                width=SIZES[size],
+                batch_size=BATCH,
+                steps=steps,
+                sample_every=sample_every,
+                device=device,
+            )
             started = time.perf_counter()
             run(spec)
-            figures.update(run_s=time.perf_counter() - started, **{f"{part}_s": t for part, t in spent.items()})
+            figures.update(
+                run_s=time.perf_counter() - started, **{f"{part}_s": t for part, t in spent.items()}
+            )
         if cuda:
             figures[f"{name}_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return {**figures, "ratio": figures["run_s"] / figures["bare_s"],
-            **({"peak_ratio": figures["run_peak_mb"] / figures["bare_peak_mb"]} if cuda else {})}
+    return {
+        **figures,
+        "ratio": figures["run_s"] / figures["bare_s"],
+        **({"peak_ratio": figures["run_peak_mb"] / figures["bare_peak_mb"]} if cuda else {}),
+    }
 
 
 def child(argv: list[str]) -> None:
@@ -195,21 +216,31 @@ def child(argv: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- the parent
 
+
 def measure(argv: list[str], folder: Path) -> dict[str, float]:
     """One measurement in a fresh process (wall time from its start, as a user waits)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *argv], cwd=folder, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", *argv],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall}
 
 
-def measure_size(size: str, steps: int, sample_everies: list[int], baseline_dir: str | None,
-                 work: str | None = None) -> dict:
+def measure_size(
+    size: str, steps: int, sample_everies: list[int], baseline_dir: str | None, work: str | None = None
+) -> dict:
     from precision_suite.jobs.regenerate import regeneration_size
     from precision_suite.jobs.selection import config_specs
 
@@ -220,50 +251,82 @@ def measure_size(size: str, steps: int, sample_everies: list[int], baseline_dir:
         baselines = baseline_dir or str(folder / "baselines")
         for every in sample_everies:
             config = folder / f"cases-{every}.toml"
-            config.write_text(CASE.format(size=size, width=SIZES[size], batch=BATCH, steps=steps, sample_every=every))
+            config.write_text(
+                CASE.format(size=size, width=SIZES[size], batch=BATCH, steps=steps, sample_every=every)
+            )
             if baseline_dir is None:
                 sys.path.insert(0, str(HERE))
                 runs = sum(regeneration_size(spec) for spec in config_specs(config))
-                update = measure(["cli", "baseline", "update", "--config", config.name, "--baseline-dir", baselines], folder)
-                rows[f"baseline update, sample_every {every} ({runs} runs)"] = {**update, "runs": runs,
-                                                                                "against": f"bare {every}"}
+                update = measure(
+                    ["cli", "baseline", "update", "--config", config.name, "--baseline-dir", baselines],
+                    folder,
+                )
+                rows[f"baseline update, sample_every {every} ({runs} runs)"] = {
+                    **update,
+                    "runs": runs,
+                    "against": f"bare {every}",
+                }
             # bare again before each run: a shared host's load drifts over the minutes an update takes
             rows[f"bare {every}"] = measure(["bare", size, str(steps)], folder)
             rows[f"run, sample_every {every}"] = {"against": f"bare {every}"} | measure(
-                ["cli", "run", "--config", config.name, "--baseline-dir", baselines, "--charts", "none",
-                 "--workers", "1", "--report-dir", str(folder / f"report-{every}")], folder)
+                [
+                    "cli",
+                    "run",
+                    "--config",
+                    config.name,
+                    "--baseline-dir",
+                    baselines,
+                    "--charts",
+                    "none",
+                    "--workers",
+                    "1",
+                    "--report-dir",
+                    str(folder / f"report-{every}"),
+                ],
+                folder,
+            )
     return rows
 
 
 def table(size: str, rows: dict[str, dict]) -> str:
     """Each measurement against the bare training measured next to it (the one before its run)."""
-    lines = [f"## {size}", "| measurement | wall s | x bare | peak RSS MB | peak RSS x bare | " + " | ".join(PARTS) + " |",
-             "|---|---|---|---|---|" + "---|" * len(PARTS)]
+    lines = [
+        f"## {size}",
+        "| measurement | wall s | x bare | peak RSS MB | peak RSS x bare | " + " | ".join(PARTS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(PARTS),
+    ]
     for name, row in rows.items():
         reference = rows[row.get("against", name)]
         ratio = row["wall_s"] / reference["wall_s"]
         parts = ["" for _ in PARTS]
         if name.startswith("run"):
             own = {part: row[part] for part in (*OUTER_PARTS, *INNER_PARTS)}
-            own["observation"] = row["training"] - reference["training_s"] - row["probes"] - row["accumulation error"]
+            own["observation"] = (
+                row["training"] - reference["training_s"] - row["probes"] - row["accumulation error"]
+            )
             parts = [f"{own[part] / reference['wall_s']:.2f}" for part in PARTS]
         if "runs" in row:
             name = f"{name}: {ratio / row['runs']:.2f} x bare per run"
-        lines.append(f"| {name} | {row['wall_s']:.1f} | {ratio:.2f} | {row['peak_rss_mb']:.0f} | "
-                     f"{row['peak_rss_mb'] / reference['peak_rss_mb']:.2f} | "
-                     + " | ".join(parts) + " |")
+        lines.append(
+            f"| {name} | {row['wall_s']:.1f} | {ratio:.2f} | {row['peak_rss_mb']:.0f} | "
+            f"{row['peak_rss_mb'] / reference['peak_rss_mb']:.2f} | " + " | ".join(parts) + " |"
+        )
     return "\n".join(lines)
 
 
 def training_table(size: str, rows: dict[int, dict]) -> str:
-    lines = [f"## {size}: the training of `run` against the bare loop (one process per row)",
-             "| sample_every | bare s | run s | x bare | probes x bare | accumulation error x bare | rest x bare |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {size}: the training of `run` against the bare loop (one process per row)",
+        "| sample_every | bare s | run s | x bare | probes x bare | accumulation error x bare | rest x bare |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for every, row in rows.items():
         bare_s = row["bare_s"]
         rest = row["run_s"] - bare_s - row["probes_s"] - row["accumulation error_s"]
-        lines.append(f"| {every} | {bare_s:.1f} | {row['run_s']:.1f} | {row['ratio']:.2f} | {row['probes_s'] / bare_s:.2f} | "
-                     f"{row['accumulation error_s'] / bare_s:.2f} | {rest / bare_s:.2f} |")
+        lines.append(
+            f"| {every} | {bare_s:.1f} | {row['run_s']:.1f} | {row['ratio']:.2f} | {row['probes_s'] / bare_s:.2f} | "
+            f"{row['accumulation error_s'] / bare_s:.2f} | {rest / bare_s:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -276,21 +339,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=[*SIZES, "both"], default="20M", help="both: 20M and 100M")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sample-every", default="2,10", help="comma-separated, e.g. 2,10")
-    parser.add_argument("--baseline-dir", help="a folder holding the cases' baselines already: skip baseline update")
-    parser.add_argument("--training-only", action="store_true",
-                        help="only the training `run` does (runs.run), against the bare loop, in one process per "
-                             "sample_every: no baselines, judging or report (minutes where baseline update takes an hour)")
+    parser.add_argument(
+        "--baseline-dir", help="a folder holding the cases' baselines already: skip baseline update"
+    )
+    parser.add_argument(
+        "--training-only",
+        action="store_true",
+        help="only the training `run` does (runs.run), against the bare loop, in one process per "
+        "sample_every: no baselines, judging or report (minutes where baseline update takes an hour)",
+    )
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--work", help="measure in this folder and keep it (its baselines serve a later "
-                                       "--baseline-dir WORK/SIZE/baselines), not in a temporary one")
+    parser.add_argument(
+        "--work",
+        help="measure in this folder and keep it (its baselines serve a later "
+        "--baseline-dir WORK/SIZE/baselines), not in a temporary one",
+    )
     args = parser.parse_args(argv)
     sample_everies = [int(every) for every in args.sample_every.split(",")]
     figures = {}
     for size in ("20M", "100M") if args.size == "both" else [args.size]:
         started = time.perf_counter()
         if args.training_only:
-            figures[size] = {every: measure(["training", size, str(args.steps), str(every)], Path.cwd())
-                             for every in sample_everies}
+            figures[size] = {
+                every: measure(["training", size, str(args.steps), str(every)], Path.cwd())
+                for every in sample_everies
+            }
             print(training_table(size, figures[size]))
             print(f"({size}: measured in {time.perf_counter() - started:.0f} s)\n", flush=True)
             continue

@@ -22,9 +22,16 @@ def llama_config(width: int = 512):
     from transformers import LlamaConfig
 
     layers, heads, intermediate = SIZES[width]
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                       max_position_embeddings=SEQ_LEN, attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=SEQ_LEN,
+        attn_implementation="sdpa",
+    )
 
 
 def llama_fp8(spec=None) -> torch.nn.Module:

@@ -25,8 +25,16 @@ import sys
 import tempfile
 
 GOAL_S = 3.0
-CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e5m2", (1, 128)), ("e5m2", (128, 1)),
-         ("mxfp8", (1, 32)), ("mxfp8", (32, 1)), ("nvfp4", (1, 16)), ("nvfp4", (16, 1))]
+CASES = [
+    ("e4m3", (1, 128)),
+    ("e4m3", (128, 1)),
+    ("e5m2", (1, 128)),
+    ("e5m2", (128, 1)),
+    ("mxfp8", (1, 32)),
+    ("mxfp8", (32, 1)),
+    ("nvfp4", (1, 16)),
+    ("nvfp4", (16, 1)),
+]
 CHILD = """
 import json, sys, time
 import torch
@@ -52,7 +60,9 @@ SMALL_RUN_RECIPES = ("fp8-block", "mxfp8", "nvfp4")
 
 def child_output(code: str, args: list[str], env: dict[str, str]) -> object:
     """The JSON that `code` prints last, run in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -72,10 +82,15 @@ def main() -> None:
             times = child_output(CHILD, [fmt, *map(str, layout)], {**env, **extra})
             steady = min(times[1:])
             tax = times[0] - steady
-            print(f"{fmt + ' ' + str(layout):18s} {mode:8s} {times[0]:7.2f}s {steady:7.3f}s {tax:7.2f}s  "
-                  f"{'met' if tax <= GOAL_S else 'not met'}", flush=True)
+            print(
+                f"{fmt + ' ' + str(layout):18s} {mode:8s} {times[0]:7.2f}s {steady:7.3f}s {tax:7.2f}s  "
+                f"{'met' if tax <= GOAL_S else 'not met'}",
+                flush=True,
+            )
     if args.small_runs:
-        print(f"\n{'small run (2-layer GPT)':24s} {'as decided':>11s} {'compiled':>9s}  (runs.run, imports excluded)")
+        print(
+            f"\n{'small run (2-layer GPT)':24s} {'as decided':>11s} {'compiled':>9s}  (runs.run, imports excluded)"
+        )
         for recipe in SMALL_RUN_RECIPES:
             decided = child_output(SMALL_RUN, [recipe], env)
             compiled = child_output(SMALL_RUN, [recipe], {**env, "PRECISION_SUITE_COMPILE": "1"})

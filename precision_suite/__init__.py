@@ -28,9 +28,12 @@ def use_project_cache() -> None:
     if inherited is not None and inherited != os.environ.get(KEYED_BY_US):
         return
     root = os.environ.get("PRECISION_SUITE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "precision-suite"
+    )
     try:
-        folder = kernel_cache.keyed_cache_dir(os.path.join(root, "inductor"), kernel_cache.compile_environment())
+        folder = kernel_cache.keyed_cache_dir(
+            os.path.join(root, "inductor"), kernel_cache.compile_environment()
+        )
     except OSError:  # an unwritable cache: inductor keeps its per-process default
         return
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[KEYED_BY_US] = str(folder)

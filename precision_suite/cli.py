@@ -37,8 +37,9 @@ from precision_suite.training.imports import project_importable
 from precision_suite.version import __version__
 
 # in the order `precision-suite --help` lists them
-COMMANDS = tuple(module.COMMAND for module in (run, compare, diff, bisect, history, baseline, calibrate, report,
-                                               reproduce))
+COMMANDS = tuple(
+    module.COMMAND for module in (run, compare, diff, bisect, history, baseline, calibrate, report, reproduce)
+)
 
 EPILOG = """\
 examples:
@@ -82,10 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="precision-suite", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="precision-suite",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Numerics regression suite for low-precision transformer training: attention "
-                    "norms and FP8/MXFP8/NVFP4 quantization error per layer, checked against "
-                    "golden baselines and thresholds.")
+        "norms and FP8/MXFP8/NVFP4 quantization error per layer, checked against "
+        "golden baselines and thresholds.",
+    )
     parser.add_argument("--version", action="version", version=f"precision-suite {__version__}")
     add_commands(parser.add_subparsers(title="commands", metavar="COMMAND"), COMMANDS)
     return parser
@@ -97,8 +101,12 @@ def add_commands(subparsers: argparse._SubParsersAction, commands: Sequence[Comm
     for command in commands:
         parser = subparsers.add_parser(command.name, help=command.help, description=command.description)
         if isinstance(command, Group):
-            add_commands(parser.add_subparsers(title=f"{command.name} commands", metavar="ACTION"), command.actions)
-            parser.set_defaults(command_func=lambda _args, parser=parser: parser.print_help(sys.stderr) or EXIT_USAGE)
+            add_commands(
+                parser.add_subparsers(title=f"{command.name} commands", metavar="ACTION"), command.actions
+            )
+            parser.set_defaults(
+                command_func=lambda _args, parser=parser: parser.print_help(sys.stderr) or EXIT_USAGE
+            )
         else:
             command.add_arguments(parser)
             parser.set_defaults(command_func=command.run)

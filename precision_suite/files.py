@@ -80,7 +80,9 @@ def read_toml(path: str | os.PathLike) -> dict:
 
 def save_dataset(ds: xr.Dataset, path: str | os.PathLike, compress: bool = True) -> Path:
     """Write `ds` as netCDF4 atomically; gzip keeps baselines at tens of kB."""
-    encoding = {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} if compress else None
+    encoding = (
+        {name: {"compression": "gzip", "compression_opts": 4} for name in ds.data_vars} if compress else None
+    )
     with atomic_path(path) as tmp:
         ds.to_netcdf(tmp, engine=NETCDF_ENGINE, encoding=encoding)  # type: ignore[call-overload]
     return Path(path)

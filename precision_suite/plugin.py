@@ -75,29 +75,52 @@ SETTINGS_KEY = pytest.StashKey[PrecisionSettings]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("precision-suite", "precision-suite numerics regression checks")
-    group.addoption("--precision-regen", action="store_true", default=False,
-                    help="write the golden baselines of the precision checks that run (missing, "
-                         "stale or changed ones) instead of comparing with them")
-    group.addoption("--precision-baseline-dir", default=None, metavar="DIR",
-                    help="folder of golden baselines (default: ini precision_baseline_dir)")
-    group.addoption("--precision-report-dir", default=None, metavar="DIR",
-                    help="folder for charts of failing or drifting cases (default: ini precision_report_dir)")
-    group.addoption("--precision-device", default=None, metavar="DEVICE",
-                    help="device for precision runs whose spec says 'auto': auto, cpu or cuda "
-                         "(default: ini precision_device)")
-    group.addoption("--precision-seed", default=None, type=int, metavar="S",
-                    help="train every precision run with seed S (judged against the baselines' "
-                         "seed ensembles), e.g. to rotate seeds in CI")
-    parser.addini("precision_baseline_dir", "golden baseline folder, relative to rootdir",
-                  default="baselines")
+    group.addoption(
+        "--precision-regen",
+        action="store_true",
+        default=False,
+        help="write the golden baselines of the precision checks that run (missing, "
+        "stale or changed ones) instead of comparing with them",
+    )
+    group.addoption(
+        "--precision-baseline-dir",
+        default=None,
+        metavar="DIR",
+        help="folder of golden baselines (default: ini precision_baseline_dir)",
+    )
+    group.addoption(
+        "--precision-report-dir",
+        default=None,
+        metavar="DIR",
+        help="folder for charts of failing or drifting cases (default: ini precision_report_dir)",
+    )
+    group.addoption(
+        "--precision-device",
+        default=None,
+        metavar="DEVICE",
+        help="device for precision runs whose spec says 'auto': auto, cpu or cuda "
+        "(default: ini precision_device)",
+    )
+    group.addoption(
+        "--precision-seed",
+        default=None,
+        type=int,
+        metavar="S",
+        help="train every precision run with seed S (judged against the baselines' "
+        "seed ensembles), e.g. to rotate seeds in CI",
+    )
+    parser.addini(
+        "precision_baseline_dir", "golden baseline folder, relative to rootdir", default="baselines"
+    )
     parser.addini("precision_report_dir", "precision chart folder, relative to rootdir", default="reports")
-    parser.addini("precision_device", "device for precision runs (auto, cpu or cuda)",
-                  default="auto")
+    parser.addini("precision_device", "device for precision runs (auto, cpu or cuda)", default="auto")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "precision: numerics regression check against golden baselines "
-                                       "and threshold rules (precision-suite)")
+    config.addinivalue_line(
+        "markers",
+        "precision: numerics regression check against golden baselines and threshold rules (precision-suite)",
+    )
     if not any(line.split(":")[0].strip() == "slow" for line in config.getini("markers")):
         config.addinivalue_line("markers", "slow: long numerics runs; deselect with -m 'not slow'")
     config.stash[SETTINGS_KEY] = _settings(config)
@@ -109,13 +132,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     false-alarm rate calibrate measured on the baselines."""
     settings = config.stash[SETTINGS_KEY]
     if not settings.pyproject.is_file():
-        lines = [f"no {settings.pyproject} (rootdir {config.rootpath}): no project rules or "
-                 "tolerance overrides apply"]
+        lines = [
+            f"no {settings.pyproject} (rootdir {config.rootpath}): no project rules or "
+            "tolerance overrides apply"
+        ]
     else:
         try:
             project = settings.project()
-            lines = [f"{len(project.rules)} rule(s), {len(project.tolerances)} tolerance override(s) "
-                     f"from {settings.pyproject}; baselines {settings.baseline_dir}"]
+            lines = [
+                f"{len(project.rules)} rule(s), {len(project.tolerances)} tolerance override(s) "
+                f"from {settings.pyproject}; baselines {settings.baseline_dir}"
+            ]
         except (ValueError, RuntimeError) as err:
             lines = [f"{settings.pyproject}: {err}"]
     try:
@@ -140,15 +167,20 @@ def _settings(config: pytest.Config) -> PrecisionSettings:
 
     device = config.getoption("precision_device") or config.getini("precision_device")
     if not DEVICE_RE.fullmatch(device):
-        raise pytest.UsageError(f"--precision-device / precision_device {device!r} is not a device; "
-                                "use auto, cpu or cuda")
+        raise pytest.UsageError(
+            f"--precision-device / precision_device {device!r} is not a device; use auto, cpu or cuda"
+        )
     seed = config.getoption("precision_seed")
     if seed is not None and seed < 0:
         raise pytest.UsageError(f"--precision-seed {seed}: use a non-negative integer")
-    return PrecisionSettings(regen=config.getoption("precision_regen"), seed=seed,
-                             baseline_dir=folder("precision_baseline_dir", "precision_baseline_dir"),
-                             report_dir=folder("precision_report_dir", "precision_report_dir"),
-                             device=device, pyproject=config.rootpath / "pyproject.toml")
+    return PrecisionSettings(
+        regen=config.getoption("precision_regen"),
+        seed=seed,
+        baseline_dir=folder("precision_baseline_dir", "precision_baseline_dir"),
+        report_dir=folder("precision_report_dir", "precision_report_dir"),
+        device=device,
+        pyproject=config.rootpath / "pyproject.toml",
+    )
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -169,7 +201,9 @@ class RunCache:
 
         spec = _as_spec(spec)
         if not isinstance(spec, runs.RunSpec):
-            raise TypeError(f"precision_run needs a RunSpec (or a dict of its fields), got {type(spec).__name__}")
+            raise TypeError(
+                f"precision_run needs a RunSpec (or a dict of its fields), got {type(spec).__name__}"
+            )
         spec = self.with_device(spec)
         key = spec.to_json()
         if key not in self._datasets:
@@ -191,7 +225,6 @@ class RunCache:
         if self.device != "auto" and spec.device == "auto":
             spec = dataclasses.replace(spec, device=self.device)
         return spec if self.seed is None else dataclasses.replace(spec, seed=self.seed)
-
 
 
 @pytest.fixture(scope="session")
@@ -217,11 +250,15 @@ def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> 
     """
     settings = request.config.stash[SETTINGS_KEY]
 
-    def check(spec_or_dataset: Any, rules: Iterable[Any] | None = None,
-              tolerances: Mapping[str, Any] | None = None,
-              known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
-        return _check_case(request.node, settings, precision_run, spec_or_dataset, rules, tolerances,
-                           known_violation)
+    def check(
+        spec_or_dataset: Any,
+        rules: Iterable[Any] | None = None,
+        tolerances: Mapping[str, Any] | None = None,
+        known_violation: KnownViolation | Iterable[KnownViolation] | None = None,
+    ) -> CaseVerdict:
+        return _check_case(
+            request.node, settings, precision_run, spec_or_dataset, rules, tolerances, known_violation
+        )
 
     return check
 
@@ -229,9 +266,15 @@ def precision_check(request: pytest.FixtureRequest, precision_run: RunCache) -> 
 # --------------------------------------------------------------------------- the check
 
 
-def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
-                rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
-                known_violation: KnownViolation | Iterable[KnownViolation] | None = None) -> CaseVerdict:
+def _check_case(
+    node: pytest.Item,
+    settings: PrecisionSettings,
+    runner: RunCache,
+    spec_or_dataset: Any,
+    rules: Iterable[Any] | None,
+    tolerances: Mapping[str, Any] | None,
+    known_violation: KnownViolation | Iterable[KnownViolation] | None = None,
+) -> CaseVerdict:
     # lazy: xarray, torch and matplotlib load with the first precision check, not with pytest
     from precision_suite.files import safe_filename
     from precision_suite.jobs.checking import judge_and_chart
@@ -239,8 +282,9 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     from precision_suite.verdicts import judge
     from precision_suite.verdicts.baseline_files import default_regen_hint, in_default_matrix
 
-    project, call_rules, known, ds = _prepare(node, settings, runner, spec_or_dataset, rules, tolerances,
-                                              known_violation)
+    project, call_rules, known, ds = _prepare(
+        node, settings, runner, spec_or_dataset, rules, tolerances, known_violation
+    )
     case = str(ds.attrs["case"])
     hint = f"pytest '{node.nodeid}' --precision-regen"
     if in_default_matrix(case):
@@ -249,17 +293,24 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     replay = None
     if settings.regen:
         reference = Reference(case, project.rules, regen_hint=hint)
-        errors = _regenerate_unless_refused(node, settings, ds, None if spec is None else runner.with_device(spec),
-                                            project, call_rules, known)
+        errors = _regenerate_unless_refused(
+            node, settings, ds, None if spec is None else runner.with_device(spec), project, call_rules, known
+        )
     else:
         reference, replay = _reference_and_replay(runner, settings, ds, spec, project, hint)
         errors = reference.errors()
     # charts and obtained files are named per test: two tests of one case never share one
     name = safe_filename(node.nodeid)
-    outcome = judge_and_chart(ds, dataclasses.replace(reference, tolerances=(project.tolerances, tolerances or {})),
-                              case_rules=call_rules, known=known, replay=replay, extra_findings=errors,
-                              chart_path=settings.report_dir / "charts" / f"{name}.png",
-                              obtained_path=settings.report_dir / "obtained" / f"{name}.nc")
+    outcome = judge_and_chart(
+        ds,
+        dataclasses.replace(reference, tolerances=(project.tolerances, tolerances or {})),
+        case_rules=call_rules,
+        known=known,
+        replay=replay,
+        extra_findings=errors,
+        chart_path=settings.report_dir / "charts" / f"{name}.png",
+        obtained_path=settings.report_dir / "obtained" / f"{name}.nc",
+    )
     node.user_properties.append((CASE_PROPERTY, case))
     node.user_properties.append((STATUS_PROPERTY, outcome.status))
     for chart in outcome.charts:
@@ -269,10 +320,15 @@ def _check_case(node: pytest.Item, settings: PrecisionSettings, runner: RunCache
     return outcome
 
 
-def _prepare(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, spec_or_dataset: Any,
-             rules: Iterable[Any] | None, tolerances: Mapping[str, Any] | None,
-             known_violation: KnownViolation | Iterable[KnownViolation] | None
-             ) -> tuple[ProjectConfig, tuple[Rule, ...], tuple[KnownViolation, ...], xr.Dataset]:
+def _prepare(
+    node: pytest.Item,
+    settings: PrecisionSettings,
+    runner: RunCache,
+    spec_or_dataset: Any,
+    rules: Iterable[Any] | None,
+    tolerances: Mapping[str, Any] | None,
+    known_violation: KnownViolation | Iterable[KnownViolation] | None,
+) -> tuple[ProjectConfig, tuple[Rule, ...], tuple[KnownViolation, ...], xr.Dataset]:
     """(the project's configuration, the call's rules, its known violations, the dataset to check);
     the test fails unchecked, with one line saying what is wrong, when one of them is unusable."""
     from precision_suite.verdicts import judge
@@ -300,23 +356,39 @@ def _prepare(node: pytest.Item, settings: PrecisionSettings, runner: RunCache, s
         _fail_unchecked(node, spec_or_dataset, problem)
     missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
-        _fail_unchecked(node, spec_or_dataset,
-                        f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
-                        "pass a RunSpec or a dataset made by precision_suite.run")
+        _fail_unchecked(
+            node,
+            spec_or_dataset,
+            f"precision check: the dataset lacks attribute(s) {', '.join(missing)}; "
+            "pass a RunSpec or a dataset made by precision_suite.run",
+        )
     return project, call_rules, known, ds
 
 
-def _reference_and_replay(runner: RunCache, settings: PrecisionSettings, ds: xr.Dataset, spec: RunSpec | None,
-                          project: ProjectConfig, hint: str) -> tuple[Reference, xr.Dataset | None]:
+def _reference_and_replay(
+    runner: RunCache,
+    settings: PrecisionSettings,
+    ds: xr.Dataset,
+    spec: RunSpec | None,
+    project: ProjectConfig,
+    hint: str,
+) -> tuple[Reference, xr.Dataset | None]:
     """The case's Reference (what could not be loaded: its `errors`) and, for a spec whose case
     stores a replay (training.replays.replay_start), its replay from the stored state."""
     from precision_suite.jobs.reference import REQUIRED, SKIPPED, load_reference
     from precision_suite.training.replays import replay_start
 
     replays = spec is not None and replay_start(spec) is not None
-    reference = load_reference(str(ds.attrs["case"]), ds.attrs["spec"], baseline_dir=settings.baseline_dir,
-                               project=project, regen_hint=hint, replay=REQUIRED if replays else SKIPPED,
-                               schema_version=int(ds.attrs["schema_version"]), strict=False)
+    reference = load_reference(
+        str(ds.attrs["case"]),
+        ds.attrs["spec"],
+        baseline_dir=settings.baseline_dir,
+        project=project,
+        regen_hint=hint,
+        replay=REQUIRED if replays else SKIPPED,
+        schema_version=int(ds.attrs["schema_version"]),
+        strict=False,
+    )
     if reference.stored_replay is None:
         return reference, None
     try:
@@ -325,9 +397,15 @@ def _reference_and_replay(runner: RunCache, settings: PrecisionSettings, ds: xr.
         return dataclasses.replace(reference, stored_replay=None, missing={"replay": str(err)}), None
 
 
-def _regenerate_unless_refused(node: pytest.Item, settings: PrecisionSettings, ds: xr.Dataset,
-                               spec: RunSpec | None, project: ProjectConfig, call_rules: tuple[Rule, ...],
-                               known: tuple[KnownViolation, ...]) -> list[Finding]:
+def _regenerate_unless_refused(
+    node: pytest.Item,
+    settings: PrecisionSettings,
+    ds: xr.Dataset,
+    spec: RunSpec | None,
+    project: ProjectConfig,
+    call_rules: tuple[Rule, ...],
+    known: tuple[KnownViolation, ...],
+) -> list[Finding]:
     """Under --precision-regen: write the case's seed-ensemble baseline, unless the run breaks its
     rules (it is not golden) or no spec says how to train it; the refusal as an error finding."""
     from precision_suite.verdicts import judge
@@ -338,11 +416,23 @@ def _regenerate_unless_refused(node: pytest.Item, settings: PrecisionSettings, d
     case = str(ds.attrs["case"])
     before = check_rules(ds, project.rules, case) + check_rules(ds, call_rules, case, strict=True)
     if judge.blocks(verdict(case, judge.excuse(before, known))):
-        return [Finding.error(case, "baseline", f"baseline {baseline_path(settings.baseline_dir, case)} "
-                              "not written: a run that breaks its rules is not golden")]
+        return [
+            Finding.error(
+                case,
+                "baseline",
+                f"baseline {baseline_path(settings.baseline_dir, case)} "
+                "not written: a run that breaks its rules is not golden",
+            )
+        ]
     if spec is None:
-        return [Finding.error(case, "baseline", "--precision-regen needs a RunSpec (a baseline is a seed "
-                              "ensemble of the spec), not a dataset")]
+        return [
+            Finding.error(
+                case,
+                "baseline",
+                "--precision-regen needs a RunSpec (a baseline is a seed "
+                "ensemble of the spec), not a dataset",
+            )
+        ]
     _regenerate(node, spec, settings.baseline_dir)
     return []
 
@@ -358,8 +448,11 @@ def _fail_unchecked(node: pytest.Item, spec_or_dataset: Any, problem: str) -> No
     from precision_suite.training.runs import case_id  # lazy: torch, only for a failing check
 
     try:  # the case this check was for, as far as its spec tells
-        case = str(spec_or_dataset.attrs.get("case", "?")) if hasattr(spec_or_dataset, "attrs") \
+        case = (
+            str(spec_or_dataset.attrs.get("case", "?"))
+            if hasattr(spec_or_dataset, "attrs")
             else case_id(_as_spec(spec_or_dataset))
+        )
     except (AttributeError, TypeError, ValueError):
         case = "?"
     node.user_properties.append((CASE_PROPERTY, case))
@@ -385,8 +478,9 @@ def _regenerate(node: pytest.Item, spec: RunSpec, baseline_dir: Path) -> None:
 
 
 def failure_message(outcome: CaseVerdict) -> str:
-    lines = [f"precision check of {outcome.case}: {outcome.status.upper()} "
-             f"({len(outcome.findings)} finding(s))"]
+    lines = [
+        f"precision check of {outcome.case}: {outcome.status.upper()} ({len(outcome.findings)} finding(s))"
+    ]
     lines += [f"  [{f.kind}] {f.message}" for f in outcome.findings]
     lines += [f"  chart: {chart}" for chart in outcome.charts]
     return "\n".join(lines)

@@ -46,8 +46,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
                 continue
             ratio = bench.stats.median / reference.stats.median
             goal = bench.extra_info.get("goal")
-            rows.append((_subject(bench), ref_name, f"{ratio:.2f}x", f"<= {goal:g}x" if goal else "",
-                         "" if goal is None else "yes" if ratio <= goal else "no"))
+            rows.append(
+                (
+                    _subject(bench),
+                    ref_name,
+                    f"{ratio:.2f}x",
+                    f"<= {goal:g}x" if goal else "",
+                    "" if goal is None else "yes" if ratio <= goal else "no",
+                )
+            )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         terminalreporter.write_line("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

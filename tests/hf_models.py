@@ -14,9 +14,16 @@ SEQ_LEN = 32
 def llama_config(attn_implementation: str = "sdpa"):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2,  # grouped-query attention
-                       max_position_embeddings=SEQ_LEN, attn_implementation=attn_implementation)
+    return LlamaConfig(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=SEQ_LEN,
+        attn_implementation=attn_implementation,
+    )
 
 
 def build_llama(spec=None):

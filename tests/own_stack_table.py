@@ -21,9 +21,22 @@ HEADER = "| client | change | gate | exit | s | finding |\n|---|---|---|---|---|
 def main(args: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "table.md"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-q", "-rxs",
-                               str(TESTS / "test_own_quantization.py"), "-k", "every_gate", *args],
-                              env={**os.environ, "OWN_STACK_TABLE": str(table)})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:randomly",
+                "-q",
+                "-rxs",
+                str(TESTS / "test_own_quantization.py"),
+                "-k",
+                "every_gate",
+                *args,
+            ],
+            env={**os.environ, "OWN_STACK_TABLE": str(table)},
+        )
         rows = table.read_text().splitlines() if table.exists() else []
     print(HEADER)
     print("\n".join(sorted(rows, key=lambda row: row.split(" | ")[:2])))  # a row's gates stay in order

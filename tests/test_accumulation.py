@@ -38,7 +38,17 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 ELEMENT_OF = {dtype: name for name, dtype in FP8.items()}
 PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]  # cuBLAS refuses e5m2 x e5m2
 # How the values of one operand are drawn (each along K, the reduction)
-DISTRIBUTIONS = ("codes", "normal", "swamp", "alternating", "runs", "sparse", "subnormal", "saturated", "specials")
+DISTRIBUTIONS = (
+    "codes",
+    "normal",
+    "swamp",
+    "alternating",
+    "runs",
+    "sparse",
+    "subnormal",
+    "saturated",
+    "specials",
+)
 EXAMPLES_PER_MODE = 200  # hypothesis examples per accumulation mode compared bit for bit with mmaemu
 
 
@@ -73,7 +83,9 @@ def fp8_operand(kind: str, rows: int, k: int, element: str, seed: int) -> torch.
     elif kind == "saturated":
         values = torch.where(torch.rand(rows, k, generator=gen) < 0.7, grid_max * torch.sign(normal), normal)
     elif kind == "specials":  # a few NaN (and, in E5M2, infinite) codes among random ones
-        values = torch.where(torch.rand(rows, k, generator=gen) < 0.02, codes.view(dtype).float(), random_values)
+        values = torch.where(
+            torch.rand(rows, k, generator=gen) < 0.02, codes.view(dtype).float(), random_values
+        )
     else:
         raise ValueError(kind)
     return values.clamp(-grid_max, grid_max).to(dtype) if kind != "specials" else values.to(dtype)
@@ -84,7 +96,9 @@ def gemms(draw, max_side: int = 6, max_k: int = 8192):
     """(a (M, K), w (N, K)) float8 operands: b of our GEMM is w.t(), mmaemu's second is w."""
     element_a, element_b = draw(st.sampled_from(PAIRS))
     m, n = draw(st.integers(1, max_side)), draw(st.integers(1, max_side))
-    k = draw(st.one_of(st.integers(1, 300), st.integers(1, max_k), st.integers(max_k // 2, max_k)))  # a third long
+    k = draw(
+        st.one_of(st.integers(1, 300), st.integers(1, max_k), st.integers(max_k // 2, max_k))
+    )  # a third long
     kinds = draw(st.sampled_from(DISTRIBUTIONS)), draw(st.sampled_from(DISTRIBUTIONS))
     seed = draw(st.integers(0, 2**31 - 1))
     return fp8_operand(kinds[0], m, k, element_a, seed), fp8_operand(kinds[1], n, k, element_b, seed + 1)
@@ -111,7 +125,9 @@ def test_hopper_fast_equals_mmaemu_bit_for_bit(operands):
 @given(gemms())
 def test_hopper_promoted_equals_mmaemu_bit_for_bit(operands):
     a, w = operands
-    assert torch.equal(bits(accumulate(a, w.t(), "hopper-promoted")), bits(mmaemu_accumulate(a, w, fast=False)))
+    assert torch.equal(
+        bits(accumulate(a, w.t(), "hopper-promoted")), bits(mmaemu_accumulate(a, w, fast=False))
+    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -123,9 +139,11 @@ def test_other_promotion_intervals_equal_mmaemus_chains(operands, chunk):
     formats = (ELEMENT_OF[a.dtype], ELEMENT_OF[w.dtype])
     total = torch.zeros(a.shape[0], w.shape[0])
     for start in range(0, a.shape[1], chunk):
-        chunk_a = a[:, start:start + chunk].double()[:, None, :].expand(-1, w.shape[0], -1)
-        chunk_w = w[:, start:start + chunk].double()[None, :, :].expand(a.shape[0], -1, -1)
-        total = total + mmaemu.model.dot(chunk_a.contiguous(), chunk_w.contiguous(), preset="hopper", fmt=formats)
+        chunk_a = a[:, start : start + chunk].double()[:, None, :].expand(-1, w.shape[0], -1)
+        chunk_w = w[:, start : start + chunk].double()[None, :, :].expand(a.shape[0], -1, -1)
+        total = total + mmaemu.model.dot(
+            chunk_a.contiguous(), chunk_w.contiguous(), preset="hopper", fmt=formats
+        )
     ours = accumulate(a, w.t(), "hopper-promoted", chunk)
     # NaN payloads: mmaemu's dot gives the canonical NaN per chain; a sum of them may not be
     assert torch.equal(bits(torch.where(total.isnan(), ours, total)), bits(ours))
@@ -138,8 +156,12 @@ def test_fp32_mode_is_torchs_matmul():
 
 
 @settings(max_examples=40, deadline=None)
-@given(gemms(max_k=2048), st.floats(2.0**-20, 2.0**10), st.floats(2.0**-20, 2.0**10),
-       st.sampled_from(["hopper-fast", "hopper-promoted"]))
+@given(
+    gemms(max_k=2048),
+    st.floats(2.0**-20, 2.0**10),
+    st.floats(2.0**-20, 2.0**10),
+    st.sampled_from(["hopper-fast", "hopper-promoted"]),
+)
 def test_tensor_scales_equal_mmaemus_scaled_mm(operands, scale_a, scale_b, mode):
     """Scales constant along K multiply the accumulator once: torch._scaled_mm's fp32 output as
     mmaemu computes it (mat2 column-major: w.t(); shapes padded to torch's multiples of 16)."""
@@ -150,8 +172,9 @@ def test_tensor_scales_equal_mmaemus_scaled_mm(operands, scale_a, scale_b, mode)
     sa, sb = torch.tensor(scale_a, dtype=torch.float32), torch.tensor(scale_b, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = mmaemu.scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32,
-                                    use_fast_accum=mode == "hopper-fast", splitk=1)
+        expected = mmaemu.scaled_mm(
+            a, w.t(), sa, sb, out_dtype=torch.float32, use_fast_accum=mode == "hopper-fast", splitk=1
+        )
     assert torch.equal(bits(scaled_gemm(a, w.t(), sa, sb, mode)), bits(expected))
 
 
@@ -179,8 +202,11 @@ def fma_exactly(x: float, y: float, z: float) -> float:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(-60, 60), st.integers(-60, 60),
-       st.lists(st.floats(-2.0**100, 2.0**100, width=32), min_size=3, max_size=3))
+@given(
+    st.integers(-60, 60),
+    st.integers(-60, 60),
+    st.lists(st.floats(-(2.0**100), 2.0**100, width=32), min_size=3, max_size=3),
+)
 def test_the_promotions_multiply_add_rounds_once(e1, e2, free):
     """x * y + z rounded once to float32, as a GPU's FFMA: on products that sit a hair off a
     float32 tie of the sum (where rounding through float64 first would land on the tie and round
@@ -198,8 +224,13 @@ def test_the_promotions_multiply_add_rounds_once(e1, e2, free):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 700), st.sampled_from([32, 64, 128]),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 700),
+    st.sampled_from([32, 64, 128]),
+    st.integers(0, 2**31 - 1),
+)
 def test_block_scales_apply_on_promotion_as_one_fused_multiply_add(m, n, k, chunk, seed):
     """Scales that change along K (here one per chunk of K, per row of a and column of b, over
     a wide range of magnitudes): the result is chunk by chunk RN32(partial * RN32(sa * sb) +
@@ -209,14 +240,18 @@ def test_block_scales_apply_on_promotion_as_one_fused_multiply_add(m, n, k, chun
     w = fp8_operand("codes", n, k, "e4m3", seed + 1)
     chunks = -(-k // chunk)
     per_chunk_a = torch.exp2(torch.randint(-30, 30, (m, chunks), generator=gen).float()) * (
-        1 + torch.rand(m, chunks, generator=gen))
+        1 + torch.rand(m, chunks, generator=gen)
+    )
     per_chunk_b = torch.exp2(torch.randint(-30, 30, (chunks, n), generator=gen).float()) * (
-        1 + torch.rand(chunks, n, generator=gen))
+        1 + torch.rand(chunks, n, generator=gen)
+    )
     scale_a = per_chunk_a.repeat_interleave(chunk, 1)[:, :k]
     scale_b = per_chunk_b.repeat_interleave(chunk, 0)[:k]
     ours = scaled_gemm(a, w.t(), scale_a, scale_b, "hopper-promoted", chunk)
-    partials = [accumulate(a[:, g * chunk:(g + 1) * chunk], w[:, g * chunk:(g + 1) * chunk].t(), "hopper-fast")
-                for g in range(chunks)]
+    partials = [
+        accumulate(a[:, g * chunk : (g + 1) * chunk], w[:, g * chunk : (g + 1) * chunk].t(), "hopper-fast")
+        for g in range(chunks)
+    ]
     expected = torch.zeros(m, n)
     for i in range(m):
         for j in range(n):
@@ -262,16 +297,24 @@ def test_accumulation_spec_round_trips():
     for text in ("fp32", "hopper-fast", "hopper-promoted:128", "hopper-promoted:4096"):
         assert parse_accumulation(text).text() == text
     assert parse_accumulation("hopper-promoted") == Accumulation("hopper-promoted", 128)
-    for bad, message in (("hopper-fast:128", "only hopper-promoted takes an interval"),
-                         ("hopper-promoted:x", "a number of elements of K"),
-                         ("hopper-promoted:48", "multiple of 32"), ("fp16", "use one of")):
+    for bad, message in (
+        ("hopper-fast:128", "only hopper-promoted takes an interval"),
+        ("hopper-promoted:x", "a number of elements of K"),
+        ("hopper-promoted:48", "multiple of 32"),
+        ("fp16", "use one of"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_accumulation(bad)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from(["e4m3", "e5m2"]), st.sampled_from(["tensor", (1, 128), (128, 128), (128, 1), (1, 32)]),
-       st.integers(1, 180), st.integers(1, 180), st.integers(0, 2**31 - 1))  # below quantize's compile size
+@given(
+    st.sampled_from(["e4m3", "e5m2"]),
+    st.sampled_from(["tensor", (1, 128), (128, 128), (128, 1), (1, 32)]),
+    st.integers(1, 180),
+    st.integers(1, 180),
+    st.integers(0, 2**31 - 1),
+)  # below quantize's compile size
 def test_split_dequantized_recovers_the_elements(element, layout, rows, cols, seed):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed % 7 - 3)
     q = quantize(x, element, layout)
@@ -322,9 +365,10 @@ def test_error_is_bounded_by_the_modelled_fraction_bits(operands, mode):
     emin = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}  # subnormals keep the smallest normal exponent
     nominal = torch.exp2((torch.frexp(a32.double())[1] - 1).clamp(min=emin[a.dtype]).double())
     nominal_b = torch.exp2((torch.frexp(b32.double())[1] - 1).clamp(min=emin[w.dtype]).double())
-    weight = torch.maximum((a32.double().abs()[:, :, None] * b32.double().abs()[None]),
-                           torch.where((a32 != 0)[:, :, None] & (b32 != 0)[None],
-                                       nominal[:, :, None] * nominal_b[None], 0.0)).sum(1)
+    weight = torch.maximum(
+        (a32.double().abs()[:, :, None] * b32.double().abs()[None]),
+        torch.where((a32 != 0)[:, :, None] & (b32 != 0)[None], nominal[:, :, None] * nominal_b[None], 0.0),
+    ).sum(1)
     bound = error_bound(a.shape[1], mode) * weight + 2.0**-40 * weight
     assert bool(((c - r).abs() <= bound).all())
 
@@ -381,9 +425,15 @@ def test_compiled_kernels_equal_mmaemu(mode, monkeypatch):
 
 # ----------------------------------------------------------------------------- the metric's law
 
+
 @settings(max_examples=30, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 8192), st.integers(0, 2**31 - 1),
-       st.sampled_from(["hopper-fast", "hopper-promoted"]))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 8192),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["hopper-fast", "hopper-promoted"]),
+)
 def test_the_metric_on_same_sign_operands_is_bounded_by_the_fraction_bits(m, n, k, seed, mode):
     """On same-sign normal (or zero) elements every product's weight is the product itself, so
     the per-output bound of test_error_is_bounded_by_the_modelled_fraction_bits, |C - R| <=
@@ -425,7 +475,10 @@ def test_the_metric_grows_with_k_under_fast_accumulation_and_not_under_promotion
 
 # ----------------------------------------------------------------------------- sampled outputs (issue 39)
 
-def _fp8_gemm(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def _fp8_gemm(
+    m: int, k: int, n: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """E4M3 a (M, K) with one scale per row, b (K, N) with one per column, from N(0, 1) data."""
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
@@ -447,7 +500,9 @@ def test_sampled_sums_are_the_subsets_sums_scaled_to_the_whole_output():
     modes = list(accumulation.WHAT_IF)
     sampled = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
     rows, columns = accumulation.output_subset(300, 200)
-    subset = accumulation.error_sums_by_mode(a[rows], b[:, columns], scale_a[rows], scale_b[:, columns], modes)
+    subset = accumulation.error_sums_by_mode(
+        a[rows], b[:, columns], scale_a[rows], scale_b[:, columns], modes
+    )
     weight = 300 * 200 / (len(rows) * len(columns))
     for got, part in zip(sampled, subset):
         assert torch.equal(got[:3], part[:3] * weight) and float(got[3]) == 300 * 200
@@ -456,8 +511,10 @@ def test_sampled_sums_are_the_subsets_sums_scaled_to_the_whole_output():
 def test_a_gemm_within_the_subset_or_with_a_nonfinite_operand_is_measured_whole():
     modes = list(accumulation.WHAT_IF)
     small = _fp8_gemm(accumulation.SAMPLED_ROWS, 256, 64, seed=4)
-    for got, whole in zip(accumulation.error_sums_by_mode(*small, modes, sampled=True),
-                          accumulation.error_sums_by_mode(*small, modes)):
+    for got, whole in zip(
+        accumulation.error_sums_by_mode(*small, modes, sampled=True),
+        accumulation.error_sums_by_mode(*small, modes),
+    ):
         assert torch.equal(got, whole)
     a, b, scale_a, scale_b = _fp8_gemm(300, 256, 200, seed=5)
     a = a.view(torch.uint8).clone()

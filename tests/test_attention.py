@@ -131,7 +131,9 @@ def test_register_by_decorator_and_by_call():
         ATTENTIONS.pop("test-identity", None)
 
 
-@pytest.mark.parametrize(("name", "fn", "error"), [("x/3", len, ValueError), ("", len, ValueError), ("ok", 3, TypeError)])
+@pytest.mark.parametrize(
+    ("name", "fn", "error"), [("x/3", len, ValueError), ("", len, ValueError), ("ok", 3, TypeError)]
+)
 def test_register_rejects_polynomial_names_empty_names_and_non_callables(name, fn, error):
     with pytest.raises(error):
         register_attention(name, fn)

@@ -60,7 +60,9 @@ def with_value(ds: xr.Dataset, metric: str, cell: dict, value: float) -> xr.Data
 def shifted(metric: str, reference: float, k: float) -> float:
     """The value whose deviation from `reference` is k tolerances in the bad (k > 0) direction."""
     tol = DEFAULT_TOLERANCES[metric]
-    lower, upper = tolerance_band(metric, np.array([reference]), dataclasses.replace(tol, tol=abs(k) * tol.tol))
+    lower, upper = tolerance_band(
+        metric, np.array([reference]), dataclasses.replace(tol, tol=abs(k) * tol.tol)
+    )
     lower, upper = lower[0], upper[0]
     bad_edge = upper if deviation(tol, upper, np.array(reference)) > 0 else lower
     good_edge = lower if bad_edge is upper else upper
@@ -106,10 +108,15 @@ def test_later_time_points_use_the_trained_tolerance(base, metric):
     later = {**first, time_dim: base[time_dim].values[-1].item()}
     assert np.isfinite(float(base[metric].loc[later]))
     trained = dataclasses.replace(tol, tol=tol.trained)
-    for cell, k, tolerance, kinds in ((first, 1.5, tol, ["regression"]), (later, 1.5, tol, []),
-                                      (later, 1.5, trained, ["regression"])):
+    for cell, k, tolerance, kinds in (
+        (first, 1.5, tol, ["regression"]),
+        (later, 1.5, tol, []),
+        (later, 1.5, trained, ["regression"]),
+    ):
         reference = float(base[metric].loc[cell])
-        lower, upper = tolerance_band(metric, np.array([reference]), dataclasses.replace(tolerance, tol=k * tolerance.tol, trained=None))
+        lower, upper = tolerance_band(
+            metric, np.array([reference]), dataclasses.replace(tolerance, tol=k * tolerance.tol, trained=None)
+        )
         bad = upper[0] if deviation(tol, upper, np.array([reference]))[0] > 0 else lower[0]
         assert [f.kind for f in compare(with_value(base, metric, cell, float(bad)), base)] == kinds
 
@@ -143,15 +150,29 @@ def test_band_edges_are_exactly_one_tolerance_away(base, metric):
     expected = np.broadcast_to(tol.at(reference.shape[-1]), reference.shape)
     finite = np.isfinite(reference)
     for edge in tolerance_band(metric, reference, tol):
-        np.testing.assert_allclose(np.abs(deviation(tol, edge, reference))[finite], expected[finite], rtol=1e-6)
+        np.testing.assert_allclose(
+            np.abs(deviation(tol, edge, reference))[finite], expected[finite], rtol=1e-6
+        )
 
 
 def test_each_metric_has_its_documented_direction():
-    bad_moves = {"attention_norm": 2.0, "underflow": 1.0, "overflow": 1.0, "zeros_after": 1.0,
-                 "sqnr_db": -1.0, "loss": 1.0, "nonfinite": 1.0, "distortion": -1.0}
+    bad_moves = {
+        "attention_norm": 2.0,
+        "underflow": 1.0,
+        "overflow": 1.0,
+        "zeros_after": 1.0,
+        "sqnr_db": -1.0,
+        "loss": 1.0,
+        "nonfinite": 1.0,
+        "distortion": -1.0,
+    }
     # the model's own quantization is judged as the probes' same metric
-    bad_moves.update({f"observed_{m}": bad_moves[m] for m in ("underflow", "overflow", "zeros_after", "sqnr_db",
-                                                              "distortion")})
+    bad_moves.update(
+        {
+            f"observed_{m}": bad_moves[m]
+            for m in ("underflow", "overflow", "zeros_after", "sqnr_db", "distortion")
+        }
+    )
     assert set(bad_moves) == set(DEFAULT_TOLERANCES)
     for metric, step in bad_moves.items():
         reference = np.array(0.5)
@@ -200,7 +221,11 @@ def test_mismatched_coordinates_are_an_error_and_common_ones_still_compared(base
 
 def test_missing_metric_is_an_error(base):
     (finding,) = compare(base.drop_vars("sqnr_db"), base)
-    assert finding.kind == "error" and finding.metric == "sqnr_db" and "missing from the current run" in finding.message
+    assert (
+        finding.kind == "error"
+        and finding.metric == "sqnr_db"
+        and "missing from the current run" in finding.message
+    )
 
 
 def test_overrides_per_case(base):
@@ -213,7 +238,10 @@ def test_overrides_per_case(base):
     assert compare(current, base, {"underflow": None}) == []
     # later layers win: the test's override replaces the project's
     assert [f.kind for f in compare(current, base, [{"underflow": wider}, {"underflow": None}])] == []
-    assert len(compare(current, base, [{"underflow": None}, {"underflow": DEFAULT_TOLERANCES["underflow"]}])) == 1
+    assert (
+        len(compare(current, base, [{"underflow": None}, {"underflow": DEFAULT_TOLERANCES["underflow"]}]))
+        == 1
+    )
 
 
 def test_metrics_without_default_need_a_full_tolerance(base):
@@ -252,7 +280,9 @@ def current_umask() -> int:
 
 def test_missing_baseline_names_the_command_that_creates_it(tmp_path):
     path = tmp_path / "vit-softmax-fp32.nc"
-    with pytest.raises(BaselineError, match=r"no baseline .*precision-suite baseline update --case 'vit-softmax-fp32'"):
+    with pytest.raises(
+        BaselineError, match=r"no baseline .*precision-suite baseline update --case 'vit-softmax-fp32'"
+    ):
         load_baseline(path)
     with pytest.raises(BaselineError, match=r"pytest tests/x.py::t --precision-regen"):
         load_baseline(path, regen_hint="pytest tests/x.py::t --precision-regen")
@@ -262,8 +292,9 @@ def test_missing_baseline_names_the_command_that_creates_it(tmp_path):
 def test_corrupt_baseline_fails_clearly(base, tmp_path, damage):
     path = save_baseline(base, tmp_path / "case.nc")
     data = path.read_bytes()
-    path.write_bytes({"garbage": b"not a netCDF file" * 10, "truncated": data[: len(data) // 2],
-                      "empty": b""}[damage])
+    path.write_bytes(
+        {"garbage": b"not a netCDF file" * 10, "truncated": data[: len(data) // 2], "empty": b""}[damage]
+    )
     with pytest.raises(BaselineError, match="corrupt or not a netCDF file"):
         load_baseline(path)
 
@@ -272,8 +303,10 @@ def test_other_schema_version_fails(base, tmp_path):
     old = base.copy()
     old.attrs = {**base.attrs, "schema_version": SCHEMA_VERSION - 1}
     path = save_baseline(old, tmp_path / "case.nc")
-    with pytest.raises(BaselineError, match=f"schema_version {SCHEMA_VERSION - 1}, "
-                                            f"this precision-suite reads {SCHEMA_VERSION}"):
+    with pytest.raises(
+        BaselineError,
+        match=f"schema_version {SCHEMA_VERSION - 1}, this precision-suite reads {SCHEMA_VERSION}",
+    ):
         load_baseline(path)
 
 
@@ -282,7 +315,9 @@ def test_other_spec_fails_naming_the_fields(base, tmp_path):
     spec = json.loads(base.attrs["spec"])
     # seed, threads and device say how a run of the case was made, not what the case is
     changed = {**spec, "steps": spec["steps"] + 10, "batch_size": 16, "seed": 7}
-    with pytest.raises(BaselineError, match=r"batch_size: baseline 8, current 16; steps: baseline 30, current 40\)"):
+    with pytest.raises(
+        BaselineError, match=r"batch_size: baseline 8, current 16; steps: baseline 30, current 40\)"
+    ):
         load_baseline(path, expected_spec=json.dumps(changed))
     # the device says where a case ran, not what it is
     assert load_baseline(path, expected_spec={**spec, "device": "cuda"}).identical(base)

@@ -21,9 +21,11 @@ import torch
 from precision_suite.training import recipes
 from precision_suite.training.runs import RunSpec, Trainer
 
-MODELS = {"GPT fp8-block": RunSpec(model="gpt", recipe="fp8-block", device="cpu"),
-          "torchao float8 MLP": RunSpec(model="user_torchao:build", batches="user_torchao:batches", device="cpu"),
-          "blockwise QDQ GPT": RunSpec(model="user_qdq:build", batches="user_qdq:batches", device="cpu")}
+MODELS = {
+    "GPT fp8-block": RunSpec(model="gpt", recipe="fp8-block", device="cpu"),
+    "torchao float8 MLP": RunSpec(model="user_torchao:build", batches="user_torchao:batches", device="cpu"),
+    "blockwise QDQ GPT": RunSpec(model="user_qdq:build", batches="user_qdq:batches", device="cpu"),
+}
 GOAL = 1.5  # at most this many sampled steps without observation
 
 

@@ -27,7 +27,9 @@ FORMATS = {
     "nvfp4": (((1, 16), (16, 1)), 3.0),
 }
 SUBJECTS = [
-    pytest.param(fmt, subject, id=f"{fmt}-{subject if isinstance(subject, str) else f'{subject[0]}x{subject[1]}'}")
+    pytest.param(
+        fmt, subject, id=f"{fmt}-{subject if isinstance(subject, str) else f'{subject[0]}x{subject[1]}'}"
+    )
     for fmt, (layouts, _) in FORMATS.items()
     for subject in ("copy", "read", *layouts)
 ]

@@ -31,9 +31,18 @@ from synthetic_data import history_store, make_run_dataset
 REQUIRE_ENV = "PRECISION_SUITE_REQUIRE_BROWSER"
 INSTALL_HINT = "install it with `apt-get install chromium` (Debian/Ubuntu)"
 WINDOW = (1280, 900)
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", f"--window-size={WINDOW[0]},{WINDOW[1]}")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    f"--window-size={WINDOW[0]},{WINDOW[1]}",
+)
 
 # The checker page (never part of a report: reports carry no script) loads the report in a frame
 # of the window's size and writes what the browser measured into its own DOM, which --dump-dom
@@ -91,8 +100,13 @@ def test_a_missing_browser_says_how_to_install_it_and_fails_where_required(monke
 
 def _run_chromium(browser: str, profile: Path, *args: str) -> str:
     profile.mkdir(parents=True, exist_ok=True)  # a fresh profile: no state from other runs
-    done = subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(
+        [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
     return done.stdout
 
@@ -158,8 +172,14 @@ def rendered(browser: str, report: Path, profiles: Path) -> list[str]:
 
     checker = report / ".browser-check.html"  # beside index.html: the frame loads it relatively
     checker.write_text(CHECKER.format(width=WINDOW[0], height=WINDOW[1]), encoding="utf-8")
-    measured_dom = _run_chromium(browser, profiles / "profile-check", "--allow-file-access-from-files",
-                                 "--virtual-time-budget=10000", "--dump-dom", checker.as_uri())
+    measured_dom = _run_chromium(
+        browser,
+        profiles / "profile-check",
+        "--allow-file-access-from-files",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        checker.as_uri(),
+    )
     checker.unlink()
     measured = measured_dom.split('<pre id="measured">')[1].split("</pre>")[0].splitlines()
     images = [line for line in measured if line.startswith("image ")]
@@ -194,12 +214,25 @@ def test_history_report_loads_every_image_and_resolves_every_link(tmp_path):
     """`history report` of a store built from the committed baselines, one series planted."""
     browser = chromium()
     store = tmp_path / "store"
-    history_store(store, Path(__file__).parents[1] / "baselines", ["gpt-softmax-fp8-block", "vit-softmax-fp32"], 12,
-                  plant=("gpt-softmax-fp8-block", "underflow", dict(layer=5, tensor="gradient", layout="1x128"),
-                         4.0, 10.0, 6))
+    history_store(
+        store,
+        Path(__file__).parents[1] / "baselines",
+        ["gpt-softmax-fp8-block", "vit-softmax-fp32"],
+        12,
+        plant=(
+            "gpt-softmax-fp8-block",
+            "underflow",
+            dict(layer=5, tensor="gradient", layout="1x128"),
+            4.0,
+            10.0,
+            6,
+        ),
+    )
     report = tmp_path / "report"
     assert cli.main(["history", "report", "--store", str(store), "--report-dir", str(report)]) == 0
     measured = rendered(browser, report, tmp_path)
     assert len([line for line in measured if line.startswith("image loaded ")]) == 2  # a chart per case
     first_screen = {line.split()[1]: line.split()[2] for line in measured if line.startswith("first-screen")}
-    assert first_screen["verdict"] == "yes" and first_screen["chart"] == "yes", first_screen  # the stepped case
+    assert first_screen["verdict"] == "yes" and first_screen["chart"] == "yes", (
+        first_screen
+    )  # the stepped case

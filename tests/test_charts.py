@@ -25,8 +25,10 @@ def _texts(ax) -> str:
 
 
 def test_attention_norm_default_layers_one_line_per_variant_log_y():
-    variants = {name: make_run_dataset(attention=name, depth=12, growth=g)
-                for name, g in (("softmax", 0.1), ("x/1", 1.0), ("x^3/sqrt(N)", 0.5))}
+    variants = {
+        name: make_run_dataset(attention=name, depth=12, growth=g)
+        for name, g in (("softmax", 0.1), ("x/1", 1.0), ("x^3/sqrt(N)", 0.5))
+    }
     fig = figures.plot_attention_norm(variants)
     axes = _data_axes(fig)
     assert [ax.get_title() for ax in axes] == ["layer 1", "layer 11"]  # an early and the last
@@ -57,8 +59,11 @@ def test_attention_norm_single_run_title_names_the_case_and_tokens_axis():
 
 def test_softmax_bound_sqrt_n_is_drawn_where_the_run_records_n():
     variants = {name: make_run_dataset(attention=name, depth=4) for name in ("softmax", "x/1")}
-    assert not any("bound" in line.get_label()
-                   for ax in _data_axes(figures.plot_attention_norm(variants)) for line in ax.get_lines())
+    assert not any(
+        "bound" in line.get_label()
+        for ax in _data_axes(figures.plot_attention_norm(variants))
+        for line in ax.get_lines()
+    )
     variants["softmax"].attrs["N"] = variants["x/1"].attrs["N"] = 16
     for ax in _data_axes(figures.plot_attention_norm(variants)):
         (bound,) = [line for line in ax.get_lines() if "bound" in line.get_label()]
@@ -75,11 +80,14 @@ def test_attention_norm_counts_points_a_log_axis_cannot_draw():
     assert "2 NaN/Inf/non-positive point(s) not drawn" in _texts(_data_axes(fig)[0])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"datasets": {}}, "empty"),
-    ({"x": "epoch"}, "x='epoch'"),
-    ({"layers": [7]}, "layers [7] not available"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"datasets": {}}, "empty"),
+        ({"x": "epoch"}, "x='epoch'"),
+        ({"layers": [7]}, "layers [7] not available"),
+    ],
+)
 def test_attention_norm_bad_arguments_say_what_to_do(kwargs, message):
     arguments = {"datasets": {"softmax": make_run_dataset(depth=4)}, **kwargs}
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -91,9 +99,13 @@ def test_quant_error_is_a_2x3_grid_over_tokens_with_every_4th_layer():
     fig = figures.plot_quant_error(ds)
     axes = _data_axes(fig)
     assert [ax.get_title() for ax in axes] == [
-        "activations underflow (1,128)", "gradients underflow (1,128)",
-        "gradient transpose underflow (128,1)", "activations distortion (1,128)",
-        "gradients distortion (1,128)", "gradient transpose distortion (128,1)"]
+        "activations underflow (1,128)",
+        "gradients underflow (1,128)",
+        "gradient transpose underflow (128,1)",
+        "activations distortion (1,128)",
+        "gradients distortion (1,128)",
+        "gradient transpose distortion (128,1)",
+    ]
     pairs = [("activation", "1x128"), ("gradient", "1x128"), ("gradient_transpose", "128x1")] * 2
     metrics = ["underflow"] * 3 + ["distortion"] * 3
     for ax, (tensor, layout), metric in zip(axes, pairs, metrics):
@@ -151,8 +163,7 @@ def test_drift_chart_draws_current_baseline_band_and_marks_the_offending_step():
     # the chart clips the band to what a fraction can be
     assert np.isclose(band_y.min(), max(lower.min(), 0.0)) and np.isclose(band_y.max(), upper.max())
     (marks,) = [c for c in ax.collections if isinstance(c, PathCollection)]
-    np.testing.assert_allclose(marks.get_offsets(),
-                               [[regressions[0].where["step"], regressions[0].value]])
+    np.testing.assert_allclose(marks.get_offsets(), [[regressions[0].where["step"], regressions[0].value]])
 
 
 def test_drift_chart_of_threshold_findings_draws_the_bound_without_a_baseline():
@@ -170,18 +181,31 @@ def test_drift_chart_of_threshold_findings_draws_the_bound_without_a_baseline():
 def test_drift_chart_draws_the_worst_panels_and_names_the_ones_left_out():
     baseline = make_run_dataset(model="gpt", recipe="fp8-block", depth=4)
     current = baseline.copy(deep=True)
-    pairs = [(t, lo) for t in ("activation", "gradient", "gradient_transpose", "weight")
-             for lo in ("1x128", "128x1", "128x128")]
+    pairs = [
+        (t, lo)
+        for t in ("activation", "gradient", "gradient_transpose", "weight")
+        for lo in ("1x128", "128x1", "128x128")
+    ]
     # one finding per (metric, tensor, layout) panel, more panels than a chart draws, the worst last
     panels = [(metric, pair) for metric in ("underflow", "zeros_after") for pair in pairs]
-    findings = [Finding(current.attrs["case"], "drift", metric,
-                        {"layer": 1, "tensor": t, "layout": lo, "step": 10},
-                        0.5, 0.4, 0.1, f"{metric} {t} {lo}", score=float(i))
-                for i, (metric, (t, lo)) in enumerate(panels)]
+    findings = [
+        Finding(
+            current.attrs["case"],
+            "drift",
+            metric,
+            {"layer": 1, "tensor": t, "layout": lo, "step": 10},
+            0.5,
+            0.4,
+            0.1,
+            f"{metric} {t} {lo}",
+            score=float(i),
+        )
+        for i, (metric, (t, lo)) in enumerate(panels)
+    ]
     assert len(findings) > drift_chart.MAX_DRIFT_PANELS
     fig = drift_chart.plot_drift(current, baseline, findings)
     titles = [ax.get_title() for ax in _data_axes(fig)]
-    worst_first = sorted(findings, key=lambda f: -f.score)[:drift_chart.MAX_DRIFT_PANELS]
+    worst_first = sorted(findings, key=lambda f: -f.score)[: drift_chart.MAX_DRIFT_PANELS]
     assert titles == [f"{f.metric} {f.where['tensor']} {f.where['layout']}" for f in worst_first]
     note = " ".join(t.get_text() for t in fig.texts)
     assert f"{len(findings) - drift_chart.MAX_DRIFT_PANELS} more panel(s) with findings not drawn" in note
@@ -216,8 +240,9 @@ def test_png_charts_are_palette_images_under_half_the_plain_size(tmp_path):
     with Image.open(path) as image, Image.open(plain) as reference:
         assert image.mode == "P" and image.size == reference.size
         # the palette keeps the picture: every pixel within a few levels of the full-colour one
-        difference = np.abs(np.asarray(image.convert("RGB"), dtype=int)
-                            - np.asarray(reference.convert("RGB"), dtype=int))
+        difference = np.abs(
+            np.asarray(image.convert("RGB"), dtype=int) - np.asarray(reference.convert("RGB"), dtype=int)
+        )
         assert np.percentile(difference, 99) <= 16
     assert path.stat().st_size < plain.stat().st_size / 2
 
@@ -243,10 +268,11 @@ def _step0_regression(elements_now: int):
         ds["underflow"].loc[dict(step=0, **cell)] = 0.0
         return ds
 
-    ensemble = make_ensemble([zero_at_step0(make_run_dataset(seed=s)) for s in (0, 1, 2, 3)],
-                             {metric: space.first_step_floor for metric, space in SPACES.items()
-                              if space.kind != "log_count"},
-                             {metric: 0.0 for metric, space in SPACES.items() if space.kind == "log_count"})
+    ensemble = make_ensemble(
+        [zero_at_step0(make_run_dataset(seed=s)) for s in (0, 1, 2, 3)],
+        {metric: space.first_step_floor for metric, space in SPACES.items() if space.kind != "log_count"},
+        {metric: 0.0 for metric, space in SPACES.items() if space.kind == "log_count"},
+    )
     current = zero_at_step0(make_run_dataset(seed=0))
     numel = int(current["numel"].sel(layer=2, tensor="activation"))
     current["underflow"].loc[dict(step=0, layer=2, **cell)] = elements_now / numel

@@ -46,16 +46,23 @@ def planted(ds: xr.Dataset, metric: str, cell: dict, value: float) -> xr.Dataset
 # --------------------------------------------------------------------------- parsing
 
 EXAMPLES = [
-    ("underflow <= 1e-3 @ tensor=gradient, layout=1x128",
-     BoundRule("underflow", "<=", 1e-3, (("tensor", ("gradient",)), ("layout", ("1x128",))))),
-    ("distortion>=0.999@tensor=activation,steps=last",
-     BoundRule("distortion", ">=", 0.999, (("tensor", ("activation",)),), "last")),
-    ("attention_norm <= sqrt(N) @ attention=softmax",
-     BoundRule("attention_norm", "<=", "sqrt(N)", (("attention", ("softmax",)),))),
-    ("growth(attention_norm) <= 4 @ layer=0|3",
-     GrowthRule("attention_norm", 4.0, (("layer", ("0", "3")),))),
-    ("attention_norm <= 2*sqrt(N) @ attention=x^3/sqrt(N)|x/1",
-     BoundRule("attention_norm", "<=", "2*sqrt(N)", (("attention", ("x^3/sqrt(N)", "x/1")),))),
+    (
+        "underflow <= 1e-3 @ tensor=gradient, layout=1x128",
+        BoundRule("underflow", "<=", 1e-3, (("tensor", ("gradient",)), ("layout", ("1x128",)))),
+    ),
+    (
+        "distortion>=0.999@tensor=activation,steps=last",
+        BoundRule("distortion", ">=", 0.999, (("tensor", ("activation",)),), "last"),
+    ),
+    (
+        "attention_norm <= sqrt(N) @ attention=softmax",
+        BoundRule("attention_norm", "<=", "sqrt(N)", (("attention", ("softmax",)),)),
+    ),
+    ("growth(attention_norm) <= 4 @ layer=0|3", GrowthRule("attention_norm", 4.0, (("layer", ("0", "3")),))),
+    (
+        "attention_norm <= 2*sqrt(N) @ attention=x^3/sqrt(N)|x/1",
+        BoundRule("attention_norm", "<=", "2*sqrt(N)", (("attention", ("x^3/sqrt(N)", "x/1")),)),
+    ),
 ]
 
 
@@ -66,29 +73,35 @@ def test_string_rules_parse_and_print_back(text, rule):
 
 
 def test_table_form_equals_string_form():
-    assert parse_rule({"metric": "underflow", "max": 1e-3, "tensor": "gradient", "layout": "1x128"}) \
-        == parse_rule("underflow <= 1e-3 @ tensor=gradient, layout=1x128")
-    assert parse_rule({"metric": "distortion", "min": 0.999, "tensor": "activation", "steps": "last"}) \
-        == parse_rule("distortion >= 0.999 @ tensor=activation, steps=last")
-    assert parse_rule({"metric": "attention_norm", "growth": 4, "layer": [0, 3]}) \
-        == parse_rule("growth(attention_norm) <= 4 @ layer=0|3")
+    assert parse_rule(
+        {"metric": "underflow", "max": 1e-3, "tensor": "gradient", "layout": "1x128"}
+    ) == parse_rule("underflow <= 1e-3 @ tensor=gradient, layout=1x128")
+    assert parse_rule(
+        {"metric": "distortion", "min": 0.999, "tensor": "activation", "steps": "last"}
+    ) == parse_rule("distortion >= 0.999 @ tensor=activation, steps=last")
+    assert parse_rule({"metric": "attention_norm", "growth": 4, "layer": [0, 3]}) == parse_rule(
+        "growth(attention_norm) <= 4 @ layer=0|3"
+    )
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ("underflow < 1e-3", "expected 'metric <= bound'"),
-    ("underflow <= 1e-3 @ tensor", "not key=value"),
-    ("underflow <= 1e-3 @ steps=sometimes", "steps=all or steps=last"),
-    ("growth(attention_norm) >= 4", "growth rule is 'growth"),
-    ("growth(attention_norm) <= 4 @ steps=last", "drop steps"),
-    ("growth(attention_norm) <= 0", "must be > 0"),
-    ("underflow <= 1e-3 @ layer=first", "layers are integers"),
-    ("underflow <= __import__('os')", "only numbers, names"),
-    ("underflow <= N.real", "only numbers, names"),
-    ("underflow <= 1e-3 +", "not an arithmetic expression"),
-    ({"metric": "underflow", "max": 1, "min": 0}, "exactly one of max, min or growth"),
-    ({"max": 1}, "needs metric"),
-    (42, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("underflow < 1e-3", "expected 'metric <= bound'"),
+        ("underflow <= 1e-3 @ tensor", "not key=value"),
+        ("underflow <= 1e-3 @ steps=sometimes", "steps=all or steps=last"),
+        ("growth(attention_norm) >= 4", "growth rule is 'growth"),
+        ("growth(attention_norm) <= 4 @ steps=last", "drop steps"),
+        ("growth(attention_norm) <= 0", "must be > 0"),
+        ("underflow <= 1e-3 @ layer=first", "layers are integers"),
+        ("underflow <= __import__('os')", "only numbers, names"),
+        ("underflow <= N.real", "only numbers, names"),
+        ("underflow <= 1e-3 +", "not an arithmetic expression"),
+        ({"metric": "underflow", "max": 1, "min": 0}, "exactly one of max, min or growth"),
+        ({"max": 1}, "needs metric"),
+        (42, "must be a string"),
+    ],
+)
 def test_bad_rules_fail_with_the_reason(bad, reason):
     with pytest.raises(ValueError, match=f"rule 1 .*{reason}".replace("(", r"\(").replace(")", r"\)")):
         parse_rules([bad])
@@ -97,7 +110,7 @@ def test_bad_rules_fail_with_the_reason(bad, reason):
 @given(st.floats(0.5, 100), st.floats(0.5, 100))
 def test_expressions_are_arithmetic(n, d):
     names = {"N": n, "d_head": d}
-    assert evaluate_expression("2*sqrt(N) + d_head**2 / 4 - -1", names) == 2 * math.sqrt(n) + d ** 2 / 4 + 1
+    assert evaluate_expression("2*sqrt(N) + d_head**2 / 4 - -1", names) == 2 * math.sqrt(n) + d**2 / 4 + 1
     assert evaluate_expression("max(N, d_head) * exp(log(2))", names) == pytest.approx(2 * max(n, d))
 
 
@@ -106,8 +119,13 @@ def test_expressions_are_arithmetic(n, d):
 
 def test_rules_that_hold_give_no_findings(run):
     worst = float(run["underflow"].sel(tensor="gradient", layout="1x128").max())
-    assert check_rules(run, [f"underflow <= {worst} @ tensor=gradient, layout=1x128",
-                             "attention_norm >= 0", "loss <= 1e9"]) == []
+    assert (
+        check_rules(
+            run,
+            [f"underflow <= {worst} @ tensor=gradient, layout=1x128", "attention_norm >= 0", "loss <= 1e9"],
+        )
+        == []
+    )
 
 
 def test_violation_names_case_metric_layer_step_value_and_bound(run):
@@ -115,8 +133,12 @@ def test_violation_names_case_metric_layer_step_value_and_bound(run):
     bound = float(run["underflow"].sel(tensor="gradient", layout="1x128").max()) * 2
     current = planted(run, "underflow", cell, bound * 3)
     (finding,) = check_rules(current, [f"underflow <= {bound!r} @ tensor=gradient, layout=1x128"])
-    assert (finding.kind, finding.metric, finding.value, finding.reference) == \
-        ("threshold", "underflow", bound * 3, bound)
+    assert (finding.kind, finding.metric, finding.value, finding.reference) == (
+        "threshold",
+        "underflow",
+        bound * 3,
+        bound,
+    )
     assert finding.where == cell
     for text in (run.attrs["case"], "underflow", "layer 2", "step 10", f"{bound * 3:.6g}", f"{bound:.6g}"):
         assert text in finding.message
@@ -161,11 +183,14 @@ def test_spec_selectors_choose_the_runs_a_rule_applies_to(run):
     assert len(check_rules(other, ["attention_norm <= 1 @ attention=softmax|x/1, model=vit"])) == 4
 
 
-@pytest.mark.parametrize("rule, message", [
-    ("attention_norm <= 1 @ attentoin=softmax", "'attentoin' is neither a dimension"),
-    ("atention_norm <= 1", "no metric 'atention_norm'"),
-    ("attention_norm <= 1 @ tensor=gradient", "attention_norm has no tensor dimension"),
-])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ("attention_norm <= 1 @ attentoin=softmax", "'attentoin' is neither a dimension"),
+        ("atention_norm <= 1", "no metric 'atention_norm'"),
+        ("attention_norm <= 1 @ tensor=gradient", "attention_norm has no tensor dimension"),
+    ],
+)
 def test_rules_that_cannot_apply_are_errors(run, rule, message):
     (finding,) = check_rules(run, [rule])
     assert finding.kind == "error" and message in finding.message and run.attrs["case"] in finding.message
@@ -210,10 +235,16 @@ def test_growth_rule_compares_last_with_first_per_layer(run, ratio, violates):
 # --------------------------------------------------------------------------- verdicts
 
 
-@pytest.mark.parametrize("kinds, status", [
-    ((), "pass"), (("drift",), "drift"), (("error", "drift"), "error"),
-    (("regression", "error", "drift"), "fail"), (("threshold",), "fail"),
-])
+@pytest.mark.parametrize(
+    "kinds, status",
+    [
+        ((), "pass"),
+        (("drift",), "drift"),
+        (("error", "drift"), "error"),
+        (("regression", "error", "drift"), "fail"),
+        (("threshold",), "fail"),
+    ],
+)
 def test_verdict_status(kinds, status):
     findings = [Finding("c", kind, "m", {}, 0.0, 0.0, 0.0, "") for kind in kinds]
     result = verdict("c", findings, charts=[Path("reports/c.png")])
@@ -241,12 +272,16 @@ def flushing_run(run) -> xr.Dataset:
     return planted(run, "underflow", FLUSHED_CELL, 0.02)
 
 
-@pytest.mark.parametrize("known", [
-    FLUSHING,
-    KnownViolation("written as printed", rule="underflow<=0.001@tensor=gradient,layout=1x128"),
-    KnownViolation("by metric", metric="underflow"),
-    KnownViolation("by metric and place", metric="underflow", where={"tensor": "gradient", "layer": 2}),
-], ids=["rule", "rule-as-printed", "metric", "metric-where"])
+@pytest.mark.parametrize(
+    "known",
+    [
+        FLUSHING,
+        KnownViolation("written as printed", rule="underflow<=0.001@tensor=gradient,layout=1x128"),
+        KnownViolation("by metric", metric="underflow"),
+        KnownViolation("by metric and place", metric="underflow", where={"tensor": "gradient", "layer": 2}),
+    ],
+    ids=["rule", "rule-as-printed", "metric", "metric-where"],
+)
 def test_a_known_violation_excuses_what_it_names(flushing_run, known):
     outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW], known=[known])
     (finding,) = outcome.findings
@@ -254,11 +289,14 @@ def test_a_known_violation_excuses_what_it_names(flushing_run, known):
     assert f"(known violation: {known.reason})" in finding.message and not blocks(outcome)
 
 
-@pytest.mark.parametrize("known", [
-    KnownViolation("another rule", rule="underflow <= 1e-2 @ tensor=gradient, layout=1x128"),
-    KnownViolation("another metric", metric="overflow"),
-    KnownViolation("another layer", metric="underflow", where={"layer": 3}),
-])
+@pytest.mark.parametrize(
+    "known",
+    [
+        KnownViolation("another rule", rule="underflow <= 1e-2 @ tensor=gradient, layout=1x128"),
+        KnownViolation("another metric", metric="overflow"),
+        KnownViolation("another layer", metric="underflow", where={"layer": 3}),
+    ],
+)
 def test_a_known_violation_excuses_nothing_it_does_not_name(flushing_run, known):
     outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW], known=[known])
     assert outcome.status == "fail" and outcome.known == "" and blocks(outcome)
@@ -266,7 +304,9 @@ def test_a_known_violation_excuses_nothing_it_does_not_name(flushing_run, known)
 
 
 def test_the_case_still_fails_on_a_rule_the_known_violation_does_not_name(flushing_run):
-    outcome = judge_case(flushing_run, None, rules=[GRADIENT_UNDERFLOW, "attention_norm <= 0"], known=[FLUSHING])
+    outcome = judge_case(
+        flushing_run, None, rules=[GRADIENT_UNDERFLOW, "attention_norm <= 0"], known=[FLUSHING]
+    )
     assert outcome.status == "fail" and outcome.known == "" and blocks(outcome)
     excused = {f.metric for f in outcome.findings if f.known}
     failing = {f.metric for f in outcome.findings if not f.known}
@@ -276,22 +316,35 @@ def test_the_case_still_fails_on_a_rule_the_known_violation_does_not_name(flushi
 def test_a_baseline_regression_is_never_excused(run, flushing_run):
     # the loss regresses against the run itself: not excused, even by a violation naming its metric
     regressed = flushing_run.assign(loss=flushing_run["loss"] * 10)
-    outcome = judge_case(regressed, run, rules=[GRADIENT_UNDERFLOW],
-                         known=[FLUSHING, KnownViolation("even by metric", metric="loss")])
+    outcome = judge_case(
+        regressed,
+        run,
+        rules=[GRADIENT_UNDERFLOW],
+        known=[FLUSHING, KnownViolation("even by metric", metric="loss")],
+    )
     regressions = [f for f in outcome.findings if f.kind == "regression"]
     assert regressions and not any(f.known for f in regressions)
     assert [f.known for f in outcome.findings if f.kind == "threshold"] == [FLUSHING.reason]
     assert outcome.status == "fail" and blocks(outcome)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: known_violations("a reason alone"), "does not name what it excuses"),
-    (lambda: KnownViolation("a reason alone"), "must name what it excuses"),
-    (lambda: KnownViolation("both", rule=GRADIENT_UNDERFLOW, metric="underflow"), "exactly one of"),
-    (lambda: KnownViolation("where without metric", rule=GRADIENT_UNDERFLOW, where={"layer": 2}), "narrows a metric"),
-    (lambda: KnownViolation("", rule=GRADIENT_UNDERFLOW), "needs a reason"),
-    (lambda: known_violations(KnownViolation("bad rule", rule="underflow < 1")), "bad rule.*underflow < 1"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: known_violations("a reason alone"), "does not name what it excuses"),
+        (lambda: KnownViolation("a reason alone"), "must name what it excuses"),
+        (lambda: KnownViolation("both", rule=GRADIENT_UNDERFLOW, metric="underflow"), "exactly one of"),
+        (
+            lambda: KnownViolation("where without metric", rule=GRADIENT_UNDERFLOW, where={"layer": 2}),
+            "narrows a metric",
+        ),
+        (lambda: KnownViolation("", rule=GRADIENT_UNDERFLOW), "needs a reason"),
+        (
+            lambda: known_violations(KnownViolation("bad rule", rule="underflow < 1")),
+            "bad rule.*underflow < 1",
+        ),
+    ],
+)
 def test_a_known_violation_must_say_why_and_what_it_excuses(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -302,23 +355,28 @@ def test_a_known_violation_must_say_why_and_what_it_excuses(make, message):
 
 def test_project_config(tmp_path):
     pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text('[tool.precision_suite]\n'
-                         'rules = ["underflow <= 1e-3 @ tensor=gradient",'
-                         ' {metric = "attention_norm", growth = 4}]\n'
-                         'tolerances = {attention_norm = 0.1, loss = {tol = 0.05}}\n')
+    pyproject.write_text(
+        "[tool.precision_suite]\n"
+        'rules = ["underflow <= 1e-3 @ tensor=gradient",'
+        ' {metric = "attention_norm", growth = 4}]\n'
+        "tolerances = {attention_norm = 0.1, loss = {tol = 0.05}}\n"
+    )
     config = load_project_config(pyproject)
     assert config.rules == parse_rules(["underflow <= 1e-3 @ tensor=gradient", "growth(attention_norm) <= 4"])
     assert config.tolerances == {"attention_norm": 0.1, "loss": {"tol": 0.05}}
     assert load_project_config(tmp_path / "absent.toml").rules == ()
 
 
-@pytest.mark.parametrize("body, message", [
-    ('rules = ["underflow <= 1e-3", "underflow <<= 1"]', "rule 2"),
-    ('rule = []', "unknown key.*rule"),
-    ('rules = "underflow <= 1"', "must be a list"),
-    ('tolerances = {underflow = {toll = 1}}', "unknown field"),
-    ('rules = [', "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('rules = ["underflow <= 1e-3", "underflow <<= 1"]', "rule 2"),
+        ("rule = []", "unknown key.*rule"),
+        ('rules = "underflow <= 1"', "must be a list"),
+        ("tolerances = {underflow = {toll = 1}}", "unknown field"),
+        ("rules = [", "not valid TOML"),
+    ],
+)
 def test_bad_project_config_names_file_and_key(tmp_path, body, message):
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text(f"[tool.precision_suite]\n{body}\n")

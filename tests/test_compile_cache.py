@@ -37,11 +37,15 @@ def test_a_cached_kernel_is_served_only_to_its_own_format_and_shape(tmp_path):
         torch._dynamo.reset()  # a fresh process, as far as compiled graphs go
         counters.clear()
         _assert_bits_equal(_ours(a, "e4m3", (1, 128)), oracle_fp8(a, "e4m3", (1, 128)))
-        assert counters["inductor"]["fxgraph_cache_hit"] == 1, "the kernel was not read back: nothing was tested"
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1, (
+            "the kernel was not read back: nothing was tested"
+        )
         _assert_bits_equal(_ours(b, "e5m2", (1, 128)), oracle_fp8(b, "e5m2", (1, 128)))
         assert counters["inductor"]["fxgraph_cache_miss"] == 1, "an e4m3 kernel was served to e5m2"
         torch._dynamo.reset()
-        _assert_bits_equal(_ours(b, "e4m3", (1, 128)), oracle_fp8(b, "e4m3", (1, 128)))  # shape B, kernel of A
+        _assert_bits_equal(
+            _ours(b, "e4m3", (1, 128)), oracle_fp8(b, "e4m3", (1, 128))
+        )  # shape B, kernel of A
         assert counters["inductor"]["fxgraph_cache_hit"] == 2
     torch._dynamo.reset()  # later tests compile against the normal cache again
 
@@ -97,15 +101,22 @@ def quantize_in_process(cache_root: Path, capability: str) -> dict:
         env["ATEN_CPU_CAPABILITY"] = capability
     else:
         env.pop("ATEN_CPU_CAPABILITY", None)
-    done = subprocess.run([sys.executable, "-c", QUANTIZE_ONCE], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", QUANTIZE_ONCE], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.slow
 def cache_dir_of_a_child(**env: str) -> str:
-    return subprocess.run([sys.executable, "-c", "import os, precision_suite; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
-                          env={**os.environ, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", "import os, precision_suite; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def test_a_process_started_from_this_one_keys_its_own_cache_folder():

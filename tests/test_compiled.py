@@ -16,8 +16,18 @@ from precision_suite.numerics import quantization
 from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, get_format
 from precision_suite.numerics.quantization import round_by_bits
 
-CASES = [("e4m3", (1, 128)), ("e4m3", (128, 1)), ("e4m3", (128, 128)), ("e5m2", (1, 128)), ("e5m2", (128, 1)),
-         ("mxfp8", (1, 32)), ("mxfp8", (32, 1)), ("nvfp4", (1, 16)), ("nvfp4", (16, 1)), ("bf16", "tensor")]
+CASES = [
+    ("e4m3", (1, 128)),
+    ("e4m3", (128, 1)),
+    ("e4m3", (128, 128)),
+    ("e5m2", (1, 128)),
+    ("e5m2", (128, 1)),
+    ("mxfp8", (1, 32)),
+    ("mxfp8", (32, 1)),
+    ("nvfp4", (1, 16)),
+    ("nvfp4", (16, 1)),
+    ("bf16", "tensor"),
+]
 
 
 def hard_tensor(seed: int = 0) -> torch.Tensor:
@@ -41,7 +51,9 @@ def test_compiled_quantizers_agree_with_eager_bit_for_bit(fmt, layout, monkeypat
     assert torch.equal(compiled_q.scales.view(torch.int32), eager_q.scales.view(torch.int32))
     a, b = compiled_q.dequantized, eager_q.dequantized
     assert torch.equal(a.isnan(), b.isnan())  # a NaN's payload may differ, nothing else
-    assert torch.equal(torch.where(a.isnan(), 0.0, a).view(torch.int32), torch.where(b.isnan(), 0.0, b).view(torch.int32))
+    assert torch.equal(
+        torch.where(a.isnan(), 0.0, a).view(torch.int32), torch.where(b.isnan(), 0.0, b).view(torch.int32)
+    )
     for key in ("underflow", "zeros_after", "overflow", "nonfinite_in", "numel", "scale_min", "scale_max"):
         assert compiled_m[key] == eager_m[key], key
     for key in ("distortion", "sqnr_db", "mse"):  # float64 sums, summed in another order
@@ -52,7 +64,9 @@ def test_compiled_quantizers_agree_with_eager_bit_for_bit(fmt, layout, monkeypat
 def test_the_bit_arithmetic_keeps_every_nan_a_nan(element):
     """Quiet, signalling and all-ones NaNs (a vectorised max returns all ones) stay NaN: a carry
     out of the payload must not wrap them around to zero."""
-    nans = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, -1, -0x00400000], dtype=torch.int32).view(torch.float32)
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, -1, -0x00400000], dtype=torch.int32).view(
+        torch.float32
+    )
     assert torch.isnan(round_by_bits(nans, element)).all()
 
 
@@ -64,6 +78,8 @@ def test_mx_scales_follow_ocp_on_every_binade():
     amax = torch.cat([torch.exp2(k.double()), torch.exp2(k.double()) * 1.75]).float()
     amax = torch.cat([amax[amax > 0], torch.zeros(1)]).reshape(-1, 1, 1, 1)
     scales = quantization.block_scales(amax, get_format("mxfp8"))
-    floor_log2 = torch.where(amax > 0, torch.floor(torch.log2(amax.double())), torch.tensor(-1.0, dtype=torch.float64))
+    floor_log2 = torch.where(
+        amax > 0, torch.floor(torch.log2(amax.double())), torch.tensor(-1.0, dtype=torch.float64)
+    )
     expected = torch.exp2(torch.clamp(floor_log2 - 8, -127, 127)).float()
     assert torch.equal(scales.view(torch.int32), expected.view(torch.int32))

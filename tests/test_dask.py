@@ -93,9 +93,23 @@ class Cluster:
 def _start_scheduler(folder: Path, env: dict) -> tuple[subprocess.Popen, str]:
     """A scheduler on a port the OS picks (it writes its address to a file): (process, address)."""
     address_file = folder / "scheduler.json"
-    process = _start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                      "--port", "0", "--no-dashboard", "--scheduler-file", str(address_file),
-                      *OUTLIVE_NOTHING["scheduler"]], folder / "scheduler.log", env)
+    process = _start(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+            "--scheduler-file",
+            str(address_file),
+            *OUTLIVE_NOTHING["scheduler"],
+        ],
+        folder / "scheduler.log",
+        env,
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while (address := _written_address(address_file)) is None:
         if process.poll() is not None or time.monotonic() > deadline:
@@ -114,14 +128,34 @@ def _written_address(address_file: Path) -> str | None:
         return None
 
 
-def _start_workers(client: distributed.Client, address: str, folder: Path, env: dict,
-                   names: tuple[str, ...]) -> dict[str, tuple[subprocess.Popen, str]]:
+def _start_workers(
+    client: distributed.Client, address: str, folder: Path, env: dict, names: tuple[str, ...]
+) -> dict[str, tuple[subprocess.Popen, str]]:
     """Workers of one thread each and no nanny (killing the process kills the worker), ready to
     train: name -> (process, address)."""
-    processes = {name: _start([sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name,
-                               "--nthreads", "1", "--no-nanny", "--host", "127.0.0.1",
-                               "--local-directory", str(folder / name), *OUTLIVE_NOTHING["worker"]],
-                              folder / f"{name}.log", env) for name in names}
+    processes = {
+        name: _start(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                address,
+                "--name",
+                name,
+                "--nthreads",
+                "1",
+                "--no-nanny",
+                "--host",
+                "127.0.0.1",
+                "--local-directory",
+                str(folder / name),
+                *OUTLIVE_NOTHING["worker"],
+            ],
+            folder / f"{name}.log",
+            env,
+        )
+        for name in names
+    }
     try:
         client.wait_for_workers(len(names), timeout=START_TIMEOUT_S)
     except TimeoutError:
@@ -137,8 +171,9 @@ def _start_workers(client: distributed.Client, address: str, folder: Path, env: 
 def _start(command: list[str], log: Path, env: dict) -> subprocess.Popen:
     # a session of its own: teardown kills the whole process group, nothing outlives the module
     with log.open("wb") as output:
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                cwd=log.parent, start_new_session=True)
+        return subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=log.parent, start_new_session=True
+        )
 
 
 def _stop(*processes: subprocess.Popen) -> None:
@@ -156,8 +191,11 @@ def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dask-cluster")
     package_root = str(Path(precision_suite.__file__).resolve().parents[1])
     # workers import the package from the folder the tests import it from
-    env = {**os.environ, **TRAINING_ENV,
-           "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        **TRAINING_ENV,
+        "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p),
+    }
     scheduler, address = _start_scheduler(folder, env)
     processes = [scheduler]
     try:
@@ -174,8 +212,12 @@ def serial(tmp_path_factory, cluster):
     """The serial reference: folder with runs/<case>.nc and baselines/<first case>.nc."""
     folder = tmp_path_factory.mktemp("serial")
     (folder / "tiny.toml").write_text(TINY_CONFIG)
-    subprocess.run([sys.executable, "-c", SERIAL_SCRIPT, str(folder)], env=cluster.env, check=True,
-                   timeout=5 * START_TIMEOUT_S)
+    subprocess.run(
+        [sys.executable, "-c", SERIAL_SCRIPT, str(folder)],
+        env=cluster.env,
+        check=True,
+        timeout=5 * START_TIMEOUT_S,
+    )
     return folder
 
 
@@ -195,15 +237,21 @@ def _executed(cluster: Cluster) -> int:
 def test_cluster_results_are_those_of_a_serial_run_in_task_order(cluster, serial, workdir):
     specs = [runs.RunSpec(**case) for case in files.read_toml(workdir / "tiny.toml")["case"]]
     tasks = [Task(spec, label=f"task {i}") for i, spec in enumerate(specs)]
-    tasks.append(Task(dataclasses.replace(specs[0], threads=2), env={"PRECISION_SUITE_COMPILE": "0"},
-                      label="two threads"))
+    tasks.append(
+        Task(
+            dataclasses.replace(specs[0], threads=2),
+            env={"PRECISION_SUITE_COMPILE": "0"},
+            label="two threads",
+        )
+    )
     # submitted out of task order (the second case measures one format more), so the check of
     # the results' order below means something
     assert execution.longest_first(tasks) == [1, 0, 2]
     finished = []
     before = _executed(cluster)
-    results = execution.run_tasks(tasks, scheduler=cluster.address,
-                                  done=lambda index, task, seconds: finished.append((index, task)))
+    results = execution.run_tasks(
+        tasks, scheduler=cluster.address, done=lambda index, task, seconds: finished.append((index, task))
+    )
     assert _executed(cluster) - before == len(tasks)  # trained by the cluster, not in this process
     assert sorted(index for index, _ in finished) == list(range(len(tasks)))
     assert all(task is tasks[index] for index, task in finished)
@@ -214,24 +262,58 @@ def test_cluster_results_are_those_of_a_serial_run_in_task_order(cluster, serial
 
 
 def test_cli_run_on_the_cluster_passes_against_serial_baselines(cluster, serial, workdir, capsys):
-    assert cli.main(["run", "--config", "tiny.toml", "--case", CASE, "--scheduler", cluster.address,
-                     "--baseline-dir", str(serial / "baselines"), "--save-results", "results",
-                     "--report-dir", "out"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "--config",
+                "tiny.toml",
+                "--case",
+                CASE,
+                "--scheduler",
+                cluster.address,
+                "--baseline-dir",
+                str(serial / "baselines"),
+                "--save-results",
+                "results",
+                "--report-dir",
+                "out",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert f"training 1 case(s) and 1 replay(s) on the Dask cluster at {cluster.address}" in captured.err
-    assert f"/2] {CASE} (" in captured.err and f"/2] {CASE} replay (" in captured.err  # a line per finished run
+    assert (
+        f"/2] {CASE} (" in captured.err and f"/2] {CASE} replay (" in captured.err
+    )  # a line per finished run
     assert f"PASS  {CASE}" in captured.out
-    xr.testing.assert_identical(files.load_dataset(workdir / "results" / f"{CASE}.nc"),
-                                files.load_dataset(serial / "runs" / f"{CASE}.nc"))
+    xr.testing.assert_identical(
+        files.load_dataset(workdir / "results" / f"{CASE}.nc"),
+        files.load_dataset(serial / "runs" / f"{CASE}.nc"),
+    )
 
 
-def test_a_worker_killed_mid_run_is_retried_and_the_baselines_are_whole(cluster, serial, workdir,
-                                                                       capsys):
+def test_a_worker_killed_mid_run_is_retried_and_the_baselines_are_whole(cluster, serial, workdir, capsys):
     victim, victim_address = cluster.workers["victim"]
     status: list[int] = []
-    update = threading.Thread(target=lambda: status.append(cli.main(
-        ["baseline", "update", "--config", "tiny.toml", "--case", CASE, "--scheduler", cluster.address])),
-        daemon=True)
+    update = threading.Thread(
+        target=lambda: status.append(
+            cli.main(
+                [
+                    "baseline",
+                    "update",
+                    "--config",
+                    "tiny.toml",
+                    "--case",
+                    CASE,
+                    "--scheduler",
+                    cluster.address,
+                ]
+            )
+        ),
+        daemon=True,
+    )
     update.start()
 
     def held() -> set:
@@ -252,14 +334,16 @@ def test_a_worker_killed_mid_run_is_retried_and_the_baselines_are_whole(cluster,
     assert victim_address not in cluster.client.scheduler_info()["workers"]
     # the scheduler's transition log: every run the victim held was given to a worker again
     started = cluster.client.run_on_scheduler(
-        lambda dask_scheduler: [t[0] for t in dask_scheduler.story(*lost) if t[2] == "processing"])
+        lambda dask_scheduler: [t[0] for t in dask_scheduler.story(*lost) if t[2] == "processing"]
+    )
     assert all(started.count(key) >= 2 for key in lost), started
     # the lost runs were retried on the other workers and give the serial numbers; the folder holds
     # the baseline, its stored replay and nothing else (no temp file of an interrupted write)
     assert _files(workdir / "baselines") == [f"replays/{CASE}.nc", f"{CASE}.nc"]
     for name in _files(workdir / "baselines"):
-        xr.testing.assert_identical(files.load_dataset(workdir / "baselines" / name),
-                                    files.load_dataset(serial / "baselines" / name))
+        xr.testing.assert_identical(
+            files.load_dataset(workdir / "baselines" / name), files.load_dataset(serial / "baselines" / name)
+        )
 
 
 def _files(folder: Path) -> list[str]:
@@ -280,8 +364,17 @@ def quick_timeout(monkeypatch):
     monkeypatch.setattr(execution, "CONNECT_TIMEOUT_S", 1.0)
 
 
-@pytest.mark.parametrize("address", ["localhost:8786", "http://localhost:8786", "tcp://localhost",
-                                     "tcp://localhost:99999", "tcp://:8786", "tcp://host name:1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "localhost:8786",
+        "http://localhost:8786",
+        "tcp://localhost",
+        "tcp://localhost:99999",
+        "tcp://:8786",
+        "tcp://host name:1",
+    ],
+)
 def test_a_malformed_scheduler_address_is_a_usage_error(workdir, capsys, address):
     assert cli.main(["run", "--config", "tiny.toml", "--scheduler", address]) == 2
     err = capsys.readouterr().err
@@ -318,15 +411,19 @@ def test_a_server_that_is_not_a_dask_scheduler_is_a_usage_error(workdir, capfd, 
     threading.Thread(target=serve, daemon=True).start()
     address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     try:
-        assert cli.main(["baseline", "update", "--config", "tiny.toml", "--case", CASE,
-                         "--scheduler", address]) == 2
+        assert (
+            cli.main(["baseline", "update", "--config", "tiny.toml", "--case", CASE, "--scheduler", address])
+            == 2
+        )
     finally:
         listener.close()
         for connection in accepted:
             connection.close()
     err = capfd.readouterr().err
-    said = {"silent": f"no Dask scheduler answered at {address} within 1 s",
-            "other protocol": f"the server at {address} does not answer as a Dask scheduler"}[server]
+    said = {
+        "silent": f"no Dask scheduler answered at {address} within 1 s",
+        "other protocol": f"the server at {address} does not answer as a Dask scheduler",
+    }[server]
     assert f"precision-suite: error: --scheduler: {said}" in err
     assert "Traceback" not in err and not (workdir / "baselines").exists()
 
@@ -338,21 +435,28 @@ def test_a_scheduler_without_workers_is_a_usage_error(workdir, capsys, quick_tim
     finally:
         _stop(scheduler)
     err = capsys.readouterr().err
-    assert f"--scheduler: the Dask scheduler at {address} has no workers; start some with " \
-           f"`dask worker {address} --nthreads 1`" in err
+    assert (
+        f"--scheduler: the Dask scheduler at {address} has no workers; start some with "
+        f"`dask worker {address} --nthreads 1`" in err
+    )
 
 
 @pytest.mark.parametrize("command", [["run"], ["baseline", "update"], ["calibrate"]])
-def test_without_dask_installed_the_scheduler_flag_says_what_to_install(serial, workdir, capsys,
-                                                                         monkeypatch, command):
+def test_without_dask_installed_the_scheduler_flag_says_what_to_install(
+    serial, workdir, capsys, monkeypatch, command
+):
     shutil.copytree(serial / "baselines", workdir / "baselines")  # run and calibrate load it first
     before = (workdir / "baselines" / f"{CASE}.nc").read_bytes()
     monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` fails
-    assert cli.main([*command, "--config", "tiny.toml", "--case", CASE,
-                     "--scheduler", "tcp://127.0.0.1:8786"]) == 2
+    assert (
+        cli.main([*command, "--config", "tiny.toml", "--case", CASE, "--scheduler", "tcp://127.0.0.1:8786"])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert 'precision-suite: error: --scheduler: running on a Dask cluster needs dask.distributed, ' \
-           'which is not installed' in err
+    assert (
+        "precision-suite: error: --scheduler: running on a Dask cluster needs dask.distributed, "
+        "which is not installed" in err
+    )
     assert 'install it with: pip install "precision-suite[dask]"' in err and "Traceback" not in err
     assert _files(workdir / "baselines") == [f"replays/{CASE}.nc", f"{CASE}.nc"]
     assert (workdir / "baselines" / f"{CASE}.nc").read_bytes() == before
@@ -360,21 +464,28 @@ def test_without_dask_installed_the_scheduler_flag_says_what_to_install(serial, 
 
 def test_the_address_of_a_worker_is_not_a_scheduler(cluster, workdir, capsys):
     _, worker = cluster.workers["survivor"]
-    assert cli.main(["baseline", "update", "--config", "tiny.toml", "--case", CASE,
-                     "--scheduler", worker]) == 2
+    assert (
+        cli.main(["baseline", "update", "--config", "tiny.toml", "--case", CASE, "--scheduler", worker]) == 2
+    )
     assert f"--scheduler: {worker} is a Dask Worker, not a scheduler" in capsys.readouterr().err
 
 
 def test_workers_and_scheduler_together_are_a_usage_error(workdir, capsys):
-    assert cli.main(["run", "--config", "tiny.toml", "--workers", "2",
-                     "--scheduler", "tcp://127.0.0.1:8786"]) == 2
+    assert (
+        cli.main(["run", "--config", "tiny.toml", "--workers", "2", "--scheduler", "tcp://127.0.0.1:8786"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--workers 2 trains in local processes, --scheduler tcp://127.0.0.1:8786" in err
 
 
-@pytest.mark.parametrize("error", [distributed.KilledWorker("run-1", SimpleNamespace(address="tcp://127.0.0.1:1"), 3),
-                                   distributed.CancelledError("run-1 cancelled for reason: "
-                                                              "scheduler-connection-lost.\nClient lost")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        distributed.KilledWorker("run-1", SimpleNamespace(address="tcp://127.0.0.1:1"), 3),
+        distributed.CancelledError("run-1 cancelled for reason: scheduler-connection-lost.\nClient lost"),
+    ],
+)
 def test_a_run_lost_with_its_worker_or_scheduler_is_one_clear_error(error):
     class Lost:  # a finished future whose worker or scheduler went away
         def result(self):
@@ -382,8 +493,14 @@ def test_a_run_lost_with_its_worker_or_scheduler_is_one_clear_error(error):
 
     future = Lost()
     with pytest.raises(execution.ExecutorError) as raised:
-        execution._gather([Task(runs.RunSpec(model="vit"), label="vit-softmax-fp32 seed 3")], {future: 0}, [future], None, 0.0,
-                          lost=(distributed.KilledWorker, distributed.CancelledError))
+        execution._gather(
+            [Task(runs.RunSpec(model="vit"), label="vit-softmax-fp32 seed 3")],
+            {future: 0},
+            [future],
+            None,
+            0.0,
+            lost=(distributed.KilledWorker, distributed.CancelledError),
+        )
     message = str(raised.value)
     assert message.startswith(f"lost the run of vit-softmax-fp32 seed 3 ({type(error).__name__}: ")
     assert "\n" not in message  # one line for the command line's status-2 message

@@ -66,15 +66,15 @@ def batch(spec, generator):
 '''
 # AdamW's first step moves each weight by lr = 1e-3, the next ones by about lr at most: the
 # weights have moved further than 1.5e-3 from step 2 on, in a run or in a replay from its state
-PLANT = '''if (self.fc1.weight.detach() - self.seeded).abs().max() > 1.5e-3:  # from step 2 on
-            h = torch.cat([h[..., ::2], 1e-6 * h[..., 1::2]], dim=-1)  # half the hidden features shrink a millionfold'''
-CASES = '''[[case]]
+PLANT = """if (self.fc1.weight.detach() - self.seeded).abs().max() > 1.5e-3:  # from step 2 on
+            h = torch.cat([h[..., ::2], 1e-6 * h[..., 1::2]], dim=-1)  # half the hidden features shrink a millionfold"""
+CASES = """[[case]]
 model = "toy.model:build"
 batches = "toy.model:batch"
 steps = 4
 sample_every = 1
 width = 32
-'''
+"""
 CONFIG = ["--config", "cases.toml", "--workers", "1"]
 
 
@@ -95,20 +95,46 @@ def make_toy_repo(repo: Path) -> dict[int, str]:
     # a project that holds a precision_suite of its own (precision-suite itself, or an editable
     # install of it): every side and bisect step must measure with the running tool, not this one
     (repo / "precision_suite").mkdir()
-    (repo / "precision_suite" / "__init__.py").write_text('raise ImportError("the checked-out precision_suite was imported")\n')
+    (repo / "precision_suite" / "__init__.py").write_text(
+        'raise ImportError("the checked-out precision_suite was imported")\n'
+    )
     model, readme = repo / "toy" / "model.py", repo / "README.md"
     changes = {
-        1: ("toy: a one-block attention model, its batches and a tiny case",
-            lambda: (model.write_text(MODEL), readme.write_text("# toy\n"), (repo / "cases.toml").write_text(CASES))),
-        2: ("README: how to run the case", lambda: readme.write_text("# toy\n\nprecision-suite run --config cases.toml\n")),
-        3: ("toy: say what Block counts", lambda: model.write_text(MODEL.replace(
-            "counts the steps", "counts the steps (AdamW moves each by about lr a step)"))),
-        4: ("README: the config", lambda: readme.write_text(readme.read_text() + "\ncases.toml holds one case.\n")),
-        5: ("toy: shrink half the hidden features from step 2", lambda: model.write_text(
-            model.read_text().replace("# PLANT", PLANT))),
+        1: (
+            "toy: a one-block attention model, its batches and a tiny case",
+            lambda: (
+                model.write_text(MODEL),
+                readme.write_text("# toy\n"),
+                (repo / "cases.toml").write_text(CASES),
+            ),
+        ),
+        2: (
+            "README: how to run the case",
+            lambda: readme.write_text("# toy\n\nprecision-suite run --config cases.toml\n"),
+        ),
+        3: (
+            "toy: say what Block counts",
+            lambda: model.write_text(
+                MODEL.replace("counts the steps", "counts the steps (AdamW moves each by about lr a step)")
+            ),
+        ),
+        4: (
+            "README: the config",
+            lambda: readme.write_text(readme.read_text() + "\ncases.toml holds one case.\n"),
+        ),
+        5: (
+            "toy: shrink half the hidden features from step 2",
+            lambda: model.write_text(model.read_text().replace("# PLANT", PLANT)),
+        ),
         6: ("README: changelog", lambda: readme.write_text(readme.read_text() + "\n## changes\n")),
-        7: ("toy: a comment on the head", lambda: model.write_text(model.read_text().replace(
-            "self.head = nn.Linear(width, 10)", "self.head = nn.Linear(width, 10)  # ten classes"))),
+        7: (
+            "toy: a comment on the head",
+            lambda: model.write_text(
+                model.read_text().replace(
+                    "self.head = nn.Linear(width, 10)", "self.head = nn.Linear(width, 10)  # ten classes"
+                )
+            ),
+        ),
         8: ("README: the model", lambda: readme.write_text(readme.read_text() + "\nOne attention block.\n")),
     }
     shas = {}
@@ -159,12 +185,19 @@ def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, 
     assert "FAIL" in out
     # measured cleanly: BASE keeps its state before step 2 and replays, HEAD replays from that state
     # the case has no baseline: BASE's first step under each rounding twin, then its replay's twins
-    assert [options[0] for options in interpreters] == ["--workers", "--workers", "--first-step-twins",
-                                                        "--keep-state-at", "--replay-from"]
+    assert [options[0] for options in interpreters] == [
+        "--workers",
+        "--workers",
+        "--first-step-twins",
+        "--keep-state-at",
+        "--replay-from",
+    ]
     assert interpreters[3] == ("--keep-state-at", "2", "--twins")
     measured = next(line for line in out.splitlines() if line.startswith("    measured from"))
-    assert measured.startswith("    measured from BASE's state at step 2 (both codes replay steps 2-3): "
-                               "underflow at layer 0, tensor activation, layout 1x128: 0 -> 0."), out
+    assert measured.startswith(
+        "    measured from BASE's state at step 2 (both codes replay steps 2-3): "
+        "underflow at layer 0, tensor activation, layout 1x128: 0 -> 0."
+    ), out
     assert "(+0." in measured  # the plant's underflow, not zero
     summary = json.loads((report / "summary.json").read_text())
     assert [case["status"] for case in summary["cases"]] == ["fail"]
@@ -172,11 +205,17 @@ def test_diff_names_the_first_step_a_planted_change_differs(toy_repo, tmp_path, 
     assert (report / "index.html").is_file() and list((report / "charts").glob("*-drift-replay.png"))
     assert len(worktrees(repo)) == 1  # the temporary worktrees are gone
     # the report's first screen, as Chromium shows it, names both commits and what judged them
-    context = [line.split(" ", 2)[1:] for line in rendered(chromium(), report, tmp_path) if line.startswith("context ")]
+    context = [
+        line.split(" ", 2)[1:]
+        for line in rendered(chromium(), report, tmp_path)
+        if line.startswith("context ")
+    ]
     assert all(where == "yes" for where, _ in context), context
     named = next(text for _, text in context)
-    assert named == f"HEAD {shas[5][:7]} (toy: shrink half the hidden features from step 2) against " \
-                    f"BASE {shas[4][:7]} (README: the config)", context
+    assert (
+        named == f"HEAD {shas[5][:7]} (toy: shrink half the hidden features from step 2) against "
+        f"BASE {shas[4][:7]} (README: the config)"
+    ), context
     assert any(text.startswith("judged beyond noise: ") for _, text in context), context
 
 
@@ -193,20 +232,28 @@ def test_a_replay_that_cannot_run_is_one_line_and_the_diff_goes_on(toy_repo, tmp
     repo, _ = toy_repo
     # HEAD: the plant, and a parameter BASE's state lacks (zeros: the seeded weights stay as they were)
     model = repo / "toy" / "model.py"
-    model.write_text(git(repo, "show", "c5:toy/model.py").replace(
-        "self.head = nn.Linear(width, 10)",
-        "self.head = nn.Linear(width, 10)\n        self.spare = nn.Parameter(torch.zeros(3))"))
+    model.write_text(
+        git(repo, "show", "c5:toy/model.py").replace(
+            "self.head = nn.Linear(width, 10)",
+            "self.head = nn.Linear(width, 10)\n        self.spare = nn.Parameter(torch.zeros(3))",
+        )
+    )
     assert cli.main(["diff", "c4", *CONFIG, "--report-dir", str(tmp_path / "report")]) == 1
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("numerics changed:") and " from step 2: " in line for line in out)
     problem = [line for line in out if line.startswith("    no clean measurement")]
     assert len(problem) == 1 and problem[0].startswith(
-        "    no clean measurement from BASE's state at step 2: HEAD (working tree) cannot replay: "), out
+        "    no clean measurement from BASE's state at step 2: HEAD (working tree) cannot replay: "
+    ), out
     assert "parameters of another model" in problem[0] and "spare (3,) only in the model" in problem[0]
     # without a clean measurement the change cannot be judged beyond noise: it fails, saying why
     error = [line for line in out if line.startswith("ERROR ")]
-    assert len(error) == 1 and "numerics changed from step 2 and cannot be judged beyond noise without a " \
-        "clean measurement (HEAD (working tree) cannot replay: " in error[0], out
+    assert (
+        len(error) == 1
+        and "numerics changed from step 2 and cannot be judged beyond noise without a "
+        "clean measurement (HEAD (working tree) cannot replay: "
+        in error[0]
+    ), out
     assert len(worktrees(repo)) == 1
 
 
@@ -230,16 +277,23 @@ def test_bisect_refuses_a_dirty_tree(toy_repo, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "uncommitted changes" in err
     assert (repo / "README.md").read_text() == "local edit\n"
-    assert git(repo, "rev-parse", "HEAD") == shas[8] and git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert (
+        git(repo, "rev-parse", "HEAD") == shas[8] and git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    )
     assert subprocess.run(["git", "bisect", "log"], cwd=repo, capture_output=True).returncode != 0
 
 
 def test_a_sha_not_in_the_repository_is_one_line(toy_repo, tmp_path, capsys):
     repo, _ = toy_repo
     report = tmp_path / "report"
-    assert cli.main(["diff", "0123456789abcdef0123456789abcdef01234567", *CONFIG, "--report-dir", str(report)]) == 2
+    assert (
+        cli.main(["diff", "0123456789abcdef0123456789abcdef01234567", *CONFIG, "--report-dir", str(report)])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [err] and "BASE '0123456789abcdef0123456789abcdef01234567' is not a commit" in err
+    assert (
+        err.splitlines() == [err] and "BASE '0123456789abcdef0123456789abcdef01234567' is not a commit" in err
+    )
     assert not report.exists() and len(worktrees(repo)) == 1
 
 
@@ -274,12 +328,17 @@ def test_a_clean_measurement_says_what_it_replayed_or_why_not():
     assert Measurement(3, 2, (underflow, loss)).lines() == [
         "    measured from BASE's state at step 3 (both codes replay steps 3-4): "
         "underflow at layer 0: 0 -> 0.5 (+0.5; 1 value differs)",
-        "        from step 4: loss: 2 -> 2.5 (+0.5, x1.25; 1 value differs)"]
-    assert Measurement(3, 1, (loss,)).lines()[0].endswith("(both codes replay step 3): from step 4: loss: "
-                                                          "2 -> 2.5 (+0.5, x1.25; 1 value differs)")
+        "        from step 4: loss: 2 -> 2.5 (+0.5, x1.25; 1 value differs)",
+    ]
+    assert (
+        Measurement(3, 1, (loss,))
+        .lines()[0]
+        .endswith("(both codes replay step 3): from step 4: loss: 2 -> 2.5 (+0.5, x1.25; 1 value differs)")
+    )
     assert "replay steps 3-4): bitwise identical; " in Measurement(3, 2).lines()[0]
     assert Measurement(3, 2, problem="HEAD cannot replay: why").lines() == [
-        "    no clean measurement from BASE's state at step 3: HEAD cannot replay: why"]
+        "    no clean measurement from BASE's state at step 3: HEAD cannot replay: why"
+    ]
     assert "(no replay)" in Measurement(0, 0).lines()[0]
 
 
@@ -290,10 +349,15 @@ def test_first_differences_finds_the_first_step_and_the_largest_cell():
     from precision_suite.verdicts.differences import first_differences
 
     values = np.zeros((4, 2, 3))
-    base = xr.Dataset({"underflow": (("step", "layer", "layout"), values),
-                       "loss": (("train_step",), np.ones(4))},
-                      coords={"step": [0, 1, 2, 3], "layer": [0, 1], "layout": ["1x128", "128x1", "tensor"],
-                              "train_step": np.arange(4)})
+    base = xr.Dataset(
+        {"underflow": (("step", "layer", "layout"), values), "loss": (("train_step",), np.ones(4))},
+        coords={
+            "step": [0, 1, 2, 3],
+            "layer": [0, 1],
+            "layout": ["1x128", "128x1", "tensor"],
+            "train_step": np.arange(4),
+        },
+    )
     head = base.copy(deep=True)
     head["underflow"][2, 1, 0] = 0.5
     head["underflow"][2, 0, 2] = 0.1
@@ -301,12 +365,17 @@ def test_first_differences_finds_the_first_step_and_the_largest_cell():
     head["loss"][3] = 2.0
     first, loss = first_differences(base, head)
     assert (first.metric, first.step, first.where, first.head, first.cells) == (
-        "underflow", 2, {"layer": 1, "layout": "1x128"}, 0.5, 2)
+        "underflow",
+        2,
+        {"layer": 1, "layout": "1x128"},
+        0.5,
+        2,
+    )
     assert (loss.metric, loss.step, loss.where) == ("loss", 3, {})
     assert first_differences(base, base.copy(deep=True)) == []
 
 
-OWN_CASES = '''[recipes.mine]
+OWN_CASES = """[recipes.mine]
 source = "the project's own recipe"
 fprop = { a = "e4m3:1x128", b = "e4m3:128x128" }
 dgrad = { a = "e5m2:1x128", b = "e4m3:128x128" }
@@ -319,7 +388,7 @@ recipe = "mine"
 steps = 2
 sample_every = 1
 width = 32
-'''
+"""
 # appended to the copied quantization.py, so the plant holds whatever the function's body looks like
 # (it is rebound at import, before any module takes the name): every amax rule's scale x4
 SCALE_X4 = """
@@ -343,8 +412,11 @@ def test_each_side_measures_with_its_own_commits_recipe_tables_and_suite(tmp_pat
     git(repo, "-c", "init.defaultBranch=main", "init", "-q")
     for key, value in (("user.name", "Tester"), ("user.email", "t@example.com"), ("commit.gpgsign", "false")):
         git(repo, "config", key, value)
-    shutil.copytree(Path(two_commits.__file__).resolve().parents[1], repo / "precision_suite",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(two_commits.__file__).resolve().parents[1],
+        repo / "precision_suite",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     (repo / "toy").mkdir()
     (repo / "toy" / "__init__.py").write_text("")
     (repo / "toy" / "model.py").write_text(MODEL)
@@ -352,11 +424,19 @@ def test_each_side_measures_with_its_own_commits_recipe_tables_and_suite(tmp_pat
     (repo / ".gitignore").write_text("__pycache__/\n")
     quantization = repo / "precision_suite" / "numerics" / "quantization.py"
     for subject, change in (
-            ("the project's recipe, the suite in the repository", lambda: None),
-            ("recipe: e4m3 weight gradients' activations", lambda: (repo / "cases.toml").write_text(
-                OWN_CASES.replace('wgrad = { a = "e5m2:128x1"', 'wgrad = { a = "e4m3:128x1"'))),
-            ("quantization: every amax scale x4", lambda: quantization.write_text(quantization.read_text() + SCALE_X4)),
-            ("README", lambda: (repo / "README.md").write_text("# the project\n"))):
+        ("the project's recipe, the suite in the repository", lambda: None),
+        (
+            "recipe: e4m3 weight gradients' activations",
+            lambda: (repo / "cases.toml").write_text(
+                OWN_CASES.replace('wgrad = { a = "e5m2:128x1"', 'wgrad = { a = "e4m3:128x1"')
+            ),
+        ),
+        (
+            "quantization: every amax scale x4",
+            lambda: quantization.write_text(quantization.read_text() + SCALE_X4),
+        ),
+        ("README", lambda: (repo / "README.md").write_text("# the project\n")),
+    ):
         change()
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", subject)
@@ -366,7 +446,9 @@ def test_each_side_measures_with_its_own_commits_recipe_tables_and_suite(tmp_pat
         assert cli.main(["diff", base, head, *config, "--report-dir", str(tmp_path / head)]) == 1
         out = capsys.readouterr().out
         assert "numerics changed: toy.model-build-" in out and "bitwise identical" not in out, out
-        assert f"BASE {git(repo, 'rev-parse', '--short=7', base)}: the project's code, its config's recipe " \
-               "tables and precision-suite from the commit (the repository holds it)" in out, out
+        assert (
+            f"BASE {git(repo, 'rev-parse', '--short=7', base)}: the project's code, its config's recipe "
+            "tables and precision-suite from the commit (the repository holds it)" in out
+        ), out
     assert cli.main(["diff", "HEAD~1", "HEAD", *config, "--report-dir", str(tmp_path / "readme")]) == 0
     assert "bitwise identical" in capsys.readouterr().out

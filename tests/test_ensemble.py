@@ -62,6 +62,7 @@ def test_a_fourfold_fraction_change_is_visible_at_any_level(level):
     """Count-aware floor: visibility follows the number of elements counted, not the level. At
     1e-5 of 1e7 elements and at 1e-2 of 1e4 the count is 100 either way (Poisson spread 0.1 in
     log count, as large as the seeds' 10%); a factor 4 (ln 4 = 1.39) is about 8 spreads there."""
+
     def run(seed, factor=1.0):
         ds = make_run_dataset(seed=seed)
         ds["numel"][:] = round(100 / level)
@@ -84,7 +85,7 @@ def test_one_excursion_of_a_seed_passes_and_a_shift_of_most_points_fails():
     spiked["attention_norm"].loc[{"step": spiked["step"][2]}] *= 50.0
     assert compare_ensemble(spiked, ensemble) == []
     shifted = make_run_dataset(seed=9)
-    later = shifted["step"][shifted.sizes["step"] // 2:]
+    later = shifted["step"][shifted.sizes["step"] // 2 :]
     shifted["attention_norm"].loc[{"step": later}] *= 3.0
     found = [f for f in compare_ensemble(shifted, ensemble) if f.metric == "attention_norm"]
     assert found and {f.kind for f in found} == {"regression"}
@@ -130,8 +131,11 @@ def test_a_first_point_count_moves_within_the_twins_allowance_and_fails_beyond_i
                 continue
             current = make_run_dataset(seed=1)
             current["underflow"].loc[dict(step=0, **CELL)] = (count + sign * elements) / numel
-            found = [f for f in compare_ensemble(current, ensemble)
-                     if f.metric == "underflow" and f.where.get("step") == 0]
+            found = [
+                f
+                for f in compare_ensemble(current, ensemble)
+                if f.metric == "underflow" and f.where.get("step") == 0
+            ]
             assert bool(found) == fails, (elements, sign, allowed)
             if fails:
                 assert f"of {numel:,.0f} elements against {count:,.0f} in seed 1" in found[0].message
@@ -241,7 +245,9 @@ def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_al
     from precision_suite.verdicts.ensemble.series import all_series, metric_series, spread, trained_threshold
 
     held_out = (4, 5)
-    ensemble = build_ensemble([make_run_dataset(seed=s) for s in (*SEEDS, *held_out)], len(SEEDS), len(held_out))
+    ensemble = build_ensemble(
+        [make_run_dataset(seed=s) for s in (*SEEDS, *held_out)], len(SEEDS), len(held_out)
+    )
     sigma, n = json.loads(ensemble.attrs["trained_mean_z_spread"])["distortion"]
     band = mean_z_band(sigma, int(n), len(json.loads(ensemble.attrs["trained_mean_z_spread"])))
     current = make_run_dataset(seed=100)
@@ -257,8 +263,12 @@ def test_every_series_moved_a_little_fails_the_case_level_check_and_no_series_al
     order = [d for d in moved["distortion"].dims if d != "step"] + ["step"]
     values = moved["distortion"].transpose(*order).values.reshape(len(s.groups), -1)
     values[:, 1:] = 1.0 - one_minus[:, 1:]
-    moved["distortion"] = moved["distortion"].transpose(*order).copy(data=values.reshape(
-        moved["distortion"].transpose(*order).shape)).transpose(*current["distortion"].dims)
+    moved["distortion"] = (
+        moved["distortion"]
+        .transpose(*order)
+        .copy(data=values.reshape(moved["distortion"].transpose(*order).shape))
+        .transpose(*current["distortion"].dims)
+    )
     findings = compare_ensemble(moved, ensemble)
     assert [(f.kind, f.metric) for f in findings] == [("regression", "distortion")]
     assert "case level" in findings[0].message and "moved together" in findings[0].message

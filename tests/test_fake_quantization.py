@@ -23,7 +23,9 @@ from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec
 from precision_suite.verdicts import observed
 
-QDQ_LINEARS = [f"blocks.{i}.{name}" for i in range(2) for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+QDQ_LINEARS = [
+    f"blocks.{i}.{name}" for i in range(2) for name in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+]
 QDQ_LINEARS.append("head")
 TOKENS = 8 * 32  # user_code.batches: 8 sequences of 32
 
@@ -65,9 +67,14 @@ def qdq_expected(linear: nn.Linear, recipe: user_qdq.Recipe) -> dict[str, tuple[
     out_features, in_features = linear.weight.shape
     gradients = low_precision_format(recipe.gradients)
     x, w, dy = (TOKENS, in_features), (out_features, in_features), (TOKENS, out_features)
-    blocks = {"fprop.a": ("e4m3", (1, 128), x), "fprop.b": ("e4m3", recipe.weight_block, w),
-              "dgrad.a": (gradients, (1, 128), dy), "dgrad.b": ("e4m3", recipe.weight_block, w),
-              "wgrad.a": (gradients, (128, 1), dy), "wgrad.b": ("e4m3", (128, 1), x)}
+    blocks = {
+        "fprop.a": ("e4m3", (1, 128), x),
+        "fprop.b": ("e4m3", recipe.weight_block, w),
+        "dgrad.a": (gradients, (1, 128), dy),
+        "dgrad.b": ("e4m3", recipe.weight_block, w),
+        "wgrad.a": (gradients, (128, 1), dy),
+        "wgrad.b": ("e4m3", (128, 1), x),
+    }
     expected = {}
     for operand, (fmt, block, shape) in blocks.items():
         clipped = (min(block[0], shape[0]), min(block[1], shape[1]))
@@ -82,8 +89,9 @@ def cell(ds, name: str, module: str, operand: str):
 
 
 @pytest.mark.parametrize("weight_block", ["128x128", "1x128"])
-def test_a_blockwise_qdq_function_is_observed_as_its_code_quantizes_forward_and_backward(monkeypatch,
-                                                                                           weight_block):
+def test_a_blockwise_qdq_function_is_observed_as_its_code_quantizes_forward_and_backward(
+    monkeypatch, weight_block
+):
     model = qdq_model(monkeypatch, weight_block=weight_block)
     ds = one_step(model)
     modules = dict(model.named_modules())
@@ -113,14 +121,23 @@ def test_torchao_qat_is_observed_with_its_straight_through_backward_in_fp32(monk
     torch.manual_seed(0)
     ds = one_step(user_qat.build(RunSpec()))
     word = "row" if granularity == "rowwise" else "tensor"  # one scale per token row of x, per out row of W
-    expected = {"fprop.a": f"e4m3:{word}", "fprop.b": f"e4m3:{word}", "dgrad.a": "fp32", "dgrad.b": f"e4m3:{word}",
-                "wgrad.a": "fp32", "wgrad.b": f"e4m3:{word}"}
+    expected = {
+        "fprop.a": f"e4m3:{word}",
+        "fprop.b": f"e4m3:{word}",
+        "dgrad.a": "fp32",
+        "dgrad.b": f"e4m3:{word}",
+        "wgrad.a": "fp32",
+        "wgrad.b": f"e4m3:{word}",
+    }
     linears = [f"h.{i}.{name}" for i in range(2) for name in ("attn.c_attn", "attn.c_proj", "mlp.0", "mlp.2")]
     for name in [*linears, "lm_head"]:
         assert {o: cell(ds, "observed_format", name, o) for o in GEMM_OPERANDS} == expected, name
         for operand, text in expected.items():
             wanted = math.nan if text == "fp32" else 1.0  # torchao: scale = amax / 448
-            assert cell(ds, "observed_target", name, operand) == pytest.approx(wanted, nan_ok=True), (name, operand)
+            assert cell(ds, "observed_target", name, operand) == pytest.approx(wanted, nan_ok=True), (
+                name,
+                operand,
+            )
             assert cell(ds, "observed_scale", name, operand) == ("" if text == "fp32" else "float32")
         assert ds["observed_gemms"].sel(step=0, module=name).values.tolist() == [1, 1, 1]
     assert int(ds["operand_mismatch"].sum()) == 0
@@ -135,8 +152,10 @@ class STEQDQFn(torch.autograd.Function):
     def forward(ctx, x, weight):
         recipe = user_qdq.Recipe()
         ctx.save_for_backward(x, weight)
-        return user_qdq.fake_quantize(x, (x.shape[0], x.shape[1]), torch.float8_e4m3fn, recipe) @ \
-            user_qdq.fake_quantize(weight, tuple(weight.shape), torch.float8_e4m3fn, recipe).t()
+        return (
+            user_qdq.fake_quantize(x, (x.shape[0], x.shape[1]), torch.float8_e4m3fn, recipe)
+            @ user_qdq.fake_quantize(weight, tuple(weight.shape), torch.float8_e4m3fn, recipe).t()
+        )
 
     @staticmethod
     def backward(ctx, dy):
@@ -164,19 +183,30 @@ def test_a_straight_through_backward_reads_fp32_and_is_no_quantized_gemm():
     torch.manual_seed(0)
     ds = one_step(TinySTE())
     formats = {o: cell(ds, "observed_format", "fc", o) for o in GEMM_OPERANDS}
-    assert formats == {"fprop.a": "e4m3:tensor", "fprop.b": "e4m3:tensor", "dgrad.a": "fp32", "dgrad.b": "fp32",
-                       "wgrad.a": "fp32", "wgrad.b": "fp32"}
+    assert formats == {
+        "fprop.a": "e4m3:tensor",
+        "fprop.b": "e4m3:tensor",
+        "dgrad.a": "fp32",
+        "dgrad.b": "fp32",
+        "wgrad.a": "fp32",
+        "wgrad.b": "fp32",
+    }
     assert ds["observed_gemms"].sel(step=0, module="fc").values.tolist() == [1, 0, 0]
-    assert "plain" not in ds["module"].values or \
-        not any(cell(ds, "observed_format", "plain", o) for o in GEMM_OPERANDS)
+    assert "plain" not in ds["module"].values or not any(
+        cell(ds, "observed_format", "plain", o) for o in GEMM_OPERANDS
+    )
 
 
-def test_observed_counts_of_fake_quantized_operands_equal_a_recomputation_from_the_captured_casts(monkeypatch):
+def test_observed_counts_of_fake_quantized_operands_equal_a_recomputation_from_the_captured_casts(
+    monkeypatch,
+):
     """One QDQ linear: the forward casts x (1x128 tiles) and then W (128x128 blocks); each cast's
     input y and output q, captured by the test, give the dataset's underflow (y != 0, q == 0) and
     zeros (q == 0) counts bit for bit, and its elements."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(user_code.VOCAB, 128), user_qdq.QDQLinear(128, 256, recipe=user_qdq.Recipe()))
+    model = nn.Sequential(
+        nn.Embedding(user_code.VOCAB, 128), user_qdq.QDQLinear(128, 256, recipe=user_qdq.Recipe())
+    )
     capture = CastRecorder()
     rec = instrument(model, attention=None)
     inputs, _ = user_code.batches(RunSpec(), torch.Generator().manual_seed(1))
@@ -201,10 +231,13 @@ def test_the_scale_target_is_where_amax_maps_as_a_fraction_of_the_formats_larges
     targets = narrow["observed_target"].sel(step=0, module=QDQ_LINEARS).values
     assert (targets == wanted).all()  # E5M2 gradients map to the same fraction of 57344
     changes = observed.check_observed_recipe(narrow, base)
-    assert {(f.where["module"], f.where["operand"]) for f in changes} == \
-        {(m, o) for m in QDQ_LINEARS for o in GEMM_OPERANDS}
-    assert "blocks.0.attn.qkv fprop operand a: e4m3:row (1x128, float32, target 1) -> e4m3:row (1x128, float32, " \
+    assert {(f.where["module"], f.where["operand"]) for f in changes} == {
+        (m, o) for m in QDQ_LINEARS for o in GEMM_OPERANDS
+    }
+    assert (
+        "blocks.0.attn.qkv fprop operand a: e4m3:row (1x128, float32, target 1) -> e4m3:row (1x128, float32, "
         "target 0.54) at step 0" in "\n".join(f.message for f in changes)
+    )
     # another seed's data: the same recipe, the same targets, no finding
     assert observed.check_observed_recipe(other_seed, base) == []
 
@@ -218,16 +251,22 @@ def test_power_of_two_scales_report_the_upper_end_of_their_bracket(target, brack
         amax = blocks.abs().amax(dim=1, keepdim=True)
         scale = torch.exp2(torch.floor(torch.log2(target / amax)))
         assert scale_target(blocks * scale, (64, 1), "e4m3", "float32 pow2") == bracket
-        assert scale_target(blocks * (target / amax), (64, 1), "e4m3", "float32") == float(f"{target / 448:.2g}")
+        assert scale_target(blocks * (target / amax), (64, 1), "e4m3", "float32") == float(
+            f"{target / 448:.2g}"
+        )
 
 
 def declare(ds, recipe: dict, *pairs):
     return ds.assign_attrs(spec=json.dumps({"expect": [list(p) for p in pairs]})), recipe
 
 
-QDQ_RECIPE = {"qdq-blocks": {"fprop": {"a": "e4m3:1x128", "b": "e4m3:128x128"},
-                             "dgrad": {"a": "e5m2:1x128", "b": "e4m3:128x128"},
-                             "wgrad": {"a": "e5m2:128x1", "b": "e4m3:128x1", "hadamard": 0}}}
+QDQ_RECIPE = {
+    "qdq-blocks": {
+        "fprop": {"a": "e4m3:1x128", "b": "e4m3:128x128"},
+        "dgrad": {"a": "e5m2:1x128", "b": "e4m3:128x128"},
+        "wgrad": {"a": "e5m2:128x1", "b": "e4m3:128x1", "hadamard": 0},
+    }
+}
 
 
 def test_a_true_declaration_holds_on_the_qdq_model_and_a_changed_block_fails_it(monkeypatch):
@@ -237,11 +276,17 @@ def test_a_true_declaration_holds_on_the_qdq_model_and_a_changed_block_fails_it(
     assert observed.check_expected(declare(base, QDQ_RECIPE, *declared)[0]) == []
     rows = one_step(qdq_model(monkeypatch, weight_block="1x128"))
     wrong = observed.check_expected(declare(rows, QDQ_RECIPE, *declared)[0])
-    assert {(f.where["module"], f.where["operand"]) for f in wrong} == \
-        {(m, o) for m in QDQ_LINEARS for o in ("fprop.b", "dgrad.b")}
+    assert {(f.where["module"], f.where["operand"]) for f in wrong} == {
+        (m, o) for m in QDQ_LINEARS for o in ("fprop.b", "dgrad.b")
+    }
     messages = "\n".join(f.message for f in wrong)
-    assert "blocks.0.mlp.fc2 fprop operand b: expected e4m3:128x128 (qdq-blocks), observed e4m3:1x128" in messages
-    assert "blocks.0.mlp.fc1 dgrad operand b: expected e4m3:128x128 (qdq-blocks), observed e4m3:row" in messages
+    assert (
+        "blocks.0.mlp.fc2 fprop operand b: expected e4m3:128x128 (qdq-blocks), observed e4m3:1x128"
+        in messages
+    )
+    assert (
+        "blocks.0.mlp.fc1 dgrad operand b: expected e4m3:128x128 (qdq-blocks), observed e4m3:row" in messages
+    )
 
 
 class CastsAndDrops(nn.Linear):
@@ -259,5 +304,7 @@ def test_a_module_that_casts_without_a_gemm_consuming_it_says_so_with_the_count(
     cast = TOKENS * 32
     assert int(ds["observed_unconsumed"].sel(step=0, module="1")) == cast
     [finding] = observed.check_expected(ds.assign_attrs(spec=json.dumps({"expect": [["1", "fp8-hybrid"]]})))
-    assert finding.message.endswith(f"1 is expected to quantize as fp8-hybrid but quantizes nothing: {cast:,} "
-                                    "elements were cast to 8-bit floats in it, but no GEMM observed consumed them")
+    assert finding.message.endswith(
+        f"1 is expected to quantize as fp8-hybrid but quantizes nothing: {cast:,} "
+        "elements were cast to 8-bit floats in it, but no GEMM observed consumed them"
+    )

@@ -17,8 +17,11 @@ PARTS = ["environment", "quantization", "gemm", "accumulation", "speed", "quick_
 
 @pytest.mark.slow  # about a minute: a precision-suite run of one quick case and two small trainings
 def test_tiny_gpu_check_on_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tiny", "--device", "cpu"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tiny", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert [p["part"] for p in report["parts"]] == PARTS
@@ -29,7 +32,11 @@ def test_tiny_gpu_check_on_cpu(tmp_path):
     quantization = report["parts"][1]["figures"]
     assert quantization["bit_exact"] and "CUDA absent" in quantization["note"]
     accumulation = report["parts"][3]["figures"]  # against mmaemu, a test dependency, where CUDA is absent
-    assert accumulation["bit_exact"] and accumulation["outputs_compared"] > 0 and "mmaemu" in accumulation["reference"]
+    assert (
+        accumulation["bit_exact"]
+        and accumulation["outputs_compared"] > 0
+        and "mmaemu" in accumulation["reference"]
+    )
     assert report["parts"][5]["figures"]["verdict"] == "pass"
     assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (cpu, tiny)")
     cost = report["parts"][6]["figures"]  # a user's model through the suite's training, against its bare loop

@@ -25,7 +25,9 @@ def test_llama_gemms_and_sdpa_attention_are_recorded_per_module():
     with rec.step(0):
         model(idx).logits.logsumexp(-1).mean().backward()
     ds = rec.dataset(case="llama")
-    assert {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(ds["module"].values)
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(
+        ds["module"].values
+    )
     assert list(ds["attention_module"].values) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert list(ds["layer"].values) == [0, 1] and ds.attrs["N"] == hf_models.SEQ_LEN
 

@@ -50,8 +50,14 @@ class SdpaBlock(nn.Module):
         d = w // self.heads
         q = self.q(x).view(b, n, self.heads, d).transpose(1, 2)
         k, v = self.kv(x).view(b, n, 2, self.kv_heads, d).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None,
-                                           enable_gqa=self.kv_heads != self.heads)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=self.causal and mask is None,
+            enable_gqa=self.kv_heads != self.heads,
+        )
         return self.out(y.transpose(1, 2).reshape(b, n, w))
 
 
@@ -107,8 +113,10 @@ def test_gemm_operands_are_measured_per_module_as_by_hand():
         for (role, label), stats in expected.items():
             got = ds["module_sums"].sel(step=0, module=name, tensor=role, layout=label).values
             np.testing.assert_array_equal(got, stats.sums.numpy(), err_msg=f"{name} {role} {label}")
-            assert view["underflow"].sel(step=0, module=name, tensor=role, layout=label) == \
-                stats.metrics()["underflow"]
+            assert (
+                view["underflow"].sel(step=0, module=name, tensor=role, layout=label)
+                == stats.metrics()["underflow"]
+            )
 
 
 def test_layer_numbers_are_their_modules_sums_added():
@@ -124,7 +132,9 @@ def test_layer_numbers_are_their_modules_sums_added():
         counts = ds["module_sums"].sel(module=modules, sum_field=["numel", "underflow"]).sum("module")
         numel, underflow = counts.sel(sum_field="numel"), counts.sel(sum_field="underflow")
         expected = (underflow / numel).sel(step=0, tensor="gradient", layout="1x128")
-        assert float(ds["underflow"].sel(step=0, layer=layer, tensor="gradient", layout="1x128")) == float(expected)
+        assert float(ds["underflow"].sel(step=0, layer=layer, tensor="gradient", layout="1x128")) == float(
+            expected
+        )
         weights = sum(m.weight.numel() for m in model.layers[layer].modules() if isinstance(m, nn.Linear))
         assert int(ds["numel"].sel(layer=layer, tensor="weight")) == weights
 
@@ -168,13 +178,18 @@ def test_explicit_softmax_is_read_and_builtin_taps_win():
     ds = rec.dataset()
     # the softmax inside phi is intercepted too, but counted once: the module's own tap wins
     assert list(ds["attention_module"].values) == ["blocks.0.attn", "blocks.1.attn"]
-    assert math.isclose(float(ds["attention_norm"].sel(step=0, layer=1)), frobenius_mean(seen[0].detach().double()),
-                        rel_tol=1e-6)
+    assert math.isclose(
+        float(ds["attention_norm"].sel(step=0, layer=1)),
+        frobenius_mean(seen[0].detach().double()),
+        rel_tol=1e-6,
+    )
 
 
 def test_nothing_is_measured_or_attached_off_sample(monkeypatch):
     calls = []
-    monkeypatch.setattr(recorder_module, "quant_stats", lambda *a, **k: calls.append(a) or quant_stats(*a, **k))
+    monkeypatch.setattr(
+        recorder_module, "quant_stats", lambda *a, **k: calls.append(a) or quant_stats(*a, **k)
+    )
     model = UserModel()
     rec = instrument(model, sample_every=2)
     x = seeded(2, 64, 128)
@@ -195,8 +210,12 @@ def test_a_recorded_recipe_run_measures_the_operands_before_quantization():
     rec = instrument(model, modules="blocks.*.mlp.fc1", attention=None)
     with rec.step(0):
         model(torch.randint(256, (4, 32), generator=torch.Generator().manual_seed(1))).mean().backward()
-    got = rec.dataset()["module_sums"].sel(step=0, module="blocks.0.mlp.fc1", tensor="activation", layout="1x128")
-    np.testing.assert_array_equal(got.values, quant_stats(captured["x"].reshape(-1, 128), "e4m3", (1, 128)).sums.numpy())
+    got = rec.dataset()["module_sums"].sel(
+        step=0, module="blocks.0.mlp.fc1", tensor="activation", layout="1x128"
+    )
+    np.testing.assert_array_equal(
+        got.values, quant_stats(captured["x"].reshape(-1, 128), "e4m3", (1, 128)).sums.numpy()
+    )
 
 
 class TransposedLinear(nn.Module):
@@ -220,15 +239,22 @@ def test_a_registered_look_alike_has_its_weight_read_as_out_by_in(monkeypatch):
     with rec.step(0):
         model(seeded(128, 128)).sum().backward()
     got = rec.dataset()["module_sums"].sel(step=0, module="0", tensor="weight", layout="128x128")
-    np.testing.assert_array_equal(got.values, quant_stats(model[0].weight.detach().t(), "e4m3", (128, 128)).sums.numpy())
+    np.testing.assert_array_equal(
+        got.values, quant_stats(model[0].weight.detach().t(), "e4m3", (128, 128)).sums.numpy()
+    )
 
 
 def test_module_patterns_select_by_glob_or_regex_and_must_match():
     model = UserModel()
     assert list(instrument(model, modules="layers.*.q").gemms) == ["layers.0.q", "layers.1.q"]
-    assert list(instrument(model, modules=re.compile(r"layers\.1\..*")).gemms) == \
-        ["layers.1.q", "layers.1.kv", "layers.1.out"]
-    with pytest.raises(ValueError, match=r"'\*\.mlp\.\*' matches none of the 7 linear-like modules \(layers.0.q"):
+    assert list(instrument(model, modules=re.compile(r"layers\.1\..*")).gemms) == [
+        "layers.1.q",
+        "layers.1.kv",
+        "layers.1.out",
+    ]
+    with pytest.raises(
+        ValueError, match=r"'\*\.mlp\.\*' matches none of the 7 linear-like modules \(layers.0.q"
+    ):
         instrument(model, modules="*.mlp.*")
 
 
@@ -280,8 +306,10 @@ def test_rules_work_per_module_and_project_rules_skip_what_a_user_model_lacks():
     ds = rec.dataset(case="user")
     (finding,) = check_rules(ds, ["underflow <= -1 @ module=*.q, tensor=weight, layout=128x128"])[:1]
     assert finding.kind == "threshold" and finding.where["module"] == "layers.0.q"
-    assert {f.where["module"] for f in check_rules(ds, ["underflow <= -1 @ module=*.q, tensor=weight"])} == \
-        {"layers.0.q", "layers.1.q"}
+    assert {f.where["module"] for f in check_rules(ds, ["underflow <= -1 @ module=*.q, tensor=weight"])} == {
+        "layers.0.q",
+        "layers.1.q",
+    }
     assert check_rules(ds, ["attention_norm <= sqrt(N) @ attention=softmax"]) == []  # no spec: no such field
     assert check_rules(ds, ["attention_norm <= 64"]) == []  # per layer, holds
     (error,) = check_rules(ds.assign(attention_norm=ds["attention_norm"] * np.nan), ["attention_norm <= 64"])

@@ -15,8 +15,19 @@ import precision_suite
 
 PACKAGE_ROOT = Path(precision_suite.__file__).resolve().parent
 # rank of each layer; the leaf modules files and version import nothing of the package
-ORDER = {"files": 0, "version": 0, "numerics": 1, "training": 2, "verdicts": 3, "reports": 4, "jobs": 5,
-         "commands": 6, "cli": 6, "plugin": 6, "__init__": 6}
+ORDER = {
+    "files": 0,
+    "version": 0,
+    "numerics": 1,
+    "training": 2,
+    "verdicts": 3,
+    "reports": 4,
+    "jobs": 5,
+    "commands": 6,
+    "cli": 6,
+    "plugin": 6,
+    "__init__": 6,
+}
 PACKAGES = ("numerics", "training", "verdicts", "reports", "jobs")
 
 
@@ -31,12 +42,24 @@ def imported_modules(source: str) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "precision_suite"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] == "precision_suite":
+            found += [
+                (node.lineno, alias.name)
+                for alias in node.names
+                if alias.name.split(".")[0] == "precision_suite"
+            ]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "precision_suite"
+        ):
             if node.module == "precision_suite":  # `from precision_suite import x`: x may be a layer
-                found += [(node.lineno, f"precision_suite.{alias.name}") if alias.name in ORDER
-                          else (node.lineno, "precision_suite") for alias in node.names]
+                found += [
+                    (node.lineno, f"precision_suite.{alias.name}")
+                    if alias.name in ORDER
+                    else (node.lineno, "precision_suite")
+                    for alias in node.names
+                ]
             else:
                 found.append((node.lineno, node.module))
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
@@ -81,7 +104,8 @@ def test_a_planted_upward_import_is_caught():
     source = "import numpy\n\n\ndef f():\n    from precision_suite.verdicts import judge\n"
     assert violations(planted, source) == [
         "precision_suite/training/planted.py:5 imports precision_suite.verdicts: "
-        "training may not import verdicts, which comes after it"]
+        "training may not import verdicts, which comes after it"
+    ]
     assert violations(PACKAGE_ROOT / "numerics" / "planted.py", "from precision_suite import files\n")
 
 

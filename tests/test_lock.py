@@ -22,8 +22,9 @@ VIA_PROJECT = "precision-suite (pyproject.toml)"
 
 def declared() -> set[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    requirements = project["dependencies"] + [r for extra in LOCKED_EXTRAS
-                                              for r in project["optional-dependencies"][extra]]
+    requirements = project["dependencies"] + [
+        r for extra in LOCKED_EXTRAS for r in project["optional-dependencies"][extra]
+    ]
     return {canonicalize_name(Requirement(r).name) for r in requirements}
 
 
@@ -43,14 +44,18 @@ def locked() -> dict[str, set[str]]:
 def test_every_declared_dependency_is_pinned_in_the_lock_for_pyproject():
     pins = locked()
     missing = {name for name in declared() if VIA_PROJECT not in pins.get(name, set())}
-    assert not missing, (f"pyproject.toml declares {sorted(missing)}, which requirements.lock does not pin "
-                         f"for it: run `make lock`")
+    assert not missing, (
+        f"pyproject.toml declares {sorted(missing)}, which requirements.lock does not pin "
+        f"for it: run `make lock`"
+    )
 
 
 def test_the_lock_pins_no_direct_dependency_that_pyproject_dropped():
     from_project = {name for name, via in locked().items() if VIA_PROJECT in via}
     stale = from_project - declared()
-    assert not stale, f"requirements.lock pins {sorted(stale)} for pyproject.toml, which no longer declares them: run `make lock`"
+    assert not stale, (
+        f"requirements.lock pins {sorted(stale)} for pyproject.toml, which no longer declares them: run `make lock`"
+    )
 
 
 def test_the_lock_pins_exact_versions_of_torch_and_the_shipped_corpus():

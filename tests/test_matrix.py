@@ -35,8 +35,10 @@ def case_rules(spec: RunSpec) -> list[str]:
     if spec.attention in BOUNDED_GROWTH:
         rules.append(f"growth(attention_norm) <= {BOUNDED_GROWTH[spec.attention]}")
     if spec.model == "gpt":
-        rules += [f"underflow <= {GRADIENT_TRANSPOSE_UNDERFLOW[spec.recipe]:g} @ tensor=gradient_transpose, layout=128x1",
-                  "distortion >= 0.999 @ tensor=gradient_transpose, layout=128x1"]
+        rules += [
+            f"underflow <= {GRADIENT_TRANSPOSE_UNDERFLOW[spec.recipe]:g} @ tensor=gradient_transpose, layout=128x1",
+            "distortion >= 0.999 @ tensor=gradient_transpose, layout=128x1",
+        ]
     return rules
 
 
@@ -50,10 +52,14 @@ def _param(spec: RunSpec):
 def test_case(spec, precision_check):
     # the same judging engine as `precision-suite run`: a known violation excuses the findings of
     # the rule it names, nothing else (another rule's, a baseline regression, still fail)
-    outcome = precision_check(spec, rules=case_rules(spec), known_violation=KNOWN_VIOLATIONS.get(case_id(spec)))
+    outcome = precision_check(
+        spec, rules=case_rules(spec), known_violation=KNOWN_VIOLATIONS.get(case_id(spec))
+    )
     if case_id(spec) in KNOWN_VIOLATIONS:
         # still violated: when it is fixed, drop it from KNOWN_VIOLATIONS (the list stays honest)
-        assert outcome.status == "known", f"{case_id(spec)} no longer violates: {KNOWN_VIOLATIONS[case_id(spec)]}"
+        assert outcome.status == "known", (
+            f"{case_id(spec)} no longer violates: {KNOWN_VIOLATIONS[case_id(spec)]}"
+        )
 
 
 def test_each_known_violation_names_a_rule_its_case_checks():

@@ -18,7 +18,11 @@ SETTINGS = settings(max_examples=50, deadline=None)
 
 
 @SETTINGS
-@given(x=pst.tensors(shape=pst.shapes(max_rows=120, max_cols=200), nonfinite=True), fmt=pst.formats(), data=st.data())
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=120, max_cols=200), nonfinite=True),
+    fmt=pst.formats(),
+    data=st.data(),
+)
 def test_metrics_stay_in_range(x, fmt, data):
     layout = data.draw(pst.layouts(fmt))
     m = quant_error(x, fmt, layout)
@@ -35,7 +39,11 @@ def test_metrics_stay_in_range(x, fmt, data):
 
 
 @SETTINGS
-@given(x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=260), min_log2=-60, max_log2=60), fmt=pst.formats(), data=st.data())
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=260), min_log2=-60, max_log2=60),
+    fmt=pst.formats(),
+    data=st.data(),
+)
 def test_metrics_match_their_definitions_in_float64(x, fmt, data):
     """Recompute each metric in numpy float64 from x and its reconstruction."""
     layout = data.draw(pst.layouts(fmt))

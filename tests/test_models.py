@@ -54,7 +54,10 @@ def test_every_block_linear_is_a_reachable_quant_linear(kind):
         names = {name for name, module in block.named_modules() if isinstance(module, QuantLinear)}
         assert names == {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"}
     assert block_linears(model.config) == [
-        ("attn.qkv", 32, 96), ("attn.proj", 32, 32), ("mlp.fc1", 32, 128), ("mlp.fc2", 128, 32)
+        ("attn.qkv", 32, 96),
+        ("attn.proj", 32, 32),
+        ("mlp.fc1", 32, 128),
+        ("mlp.fc2", 128, 32),
     ]
 
 

@@ -27,10 +27,14 @@ TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # which torchao cast config quantizes each operand (torchao/float8/config.py: the input and the
 # weight of the output GEMM, the gradient and the weight for grad_input, the gradient and the
 # input for grad_weight)
-TORCHAO_CASTS = {"fprop.a": "cast_config_input", "fprop.b": "cast_config_weight",
-                 "dgrad.a": "cast_config_grad_output", "dgrad.b": "cast_config_weight_for_grad_input",
-                 "wgrad.a": "cast_config_grad_output_for_grad_weight",
-                 "wgrad.b": "cast_config_input_for_grad_weight"}
+TORCHAO_CASTS = {
+    "fprop.a": "cast_config_input",
+    "fprop.b": "cast_config_weight",
+    "dgrad.a": "cast_config_grad_output",
+    "dgrad.b": "cast_config_weight_for_grad_input",
+    "wgrad.a": "cast_config_grad_output_for_grad_weight",
+    "wgrad.b": "cast_config_input_for_grad_weight",
+}
 
 
 def one_step(model: torch.nn.Module, *, observe: bool = True, steps: int = 1, seed: int = 0):
@@ -52,7 +56,9 @@ def one_step(model: torch.nn.Module, *, observe: bool = True, steps: int = 1, se
     return ds, losses
 
 
-def torchao_model(monkeypatch: pytest.MonkeyPatch, recipe: str = "tensorwise", head: str = "fp8", seed: int = 0):
+def torchao_model(
+    monkeypatch: pytest.MonkeyPatch, recipe: str = "tensorwise", head: str = "fp8", seed: int = 0
+):
     monkeypatch.setenv("USER_TORCHAO_RECIPE", recipe)
     monkeypatch.setenv("USER_TORCHAO_HEAD", head)
     torch.manual_seed(seed)
@@ -82,9 +88,13 @@ def test_torchao_float8_recipes_are_observed_as_their_config_declares(monkeypatc
         for operand in GEMM_OPERANDS:
             got = str(ds["observed_format"].sel(step=0, module=module, operand=operand).values)
             assert got == expected_torchao_text(config, operand), (module, operand)
-        quantized = {g for g in ("fprop", "dgrad", "wgrad") if expected_torchao_text(config, f"{g}.a") != "fp32"}
-        assert {g: int(ds["observed_gemms"].sel(step=0, module=module, gemm=g)) for g in ("fprop", "dgrad", "wgrad")} \
-            == {g: int(g in quantized) for g in ("fprop", "dgrad", "wgrad")}
+        quantized = {
+            g for g in ("fprop", "dgrad", "wgrad") if expected_torchao_text(config, f"{g}.a") != "fp32"
+        }
+        assert {
+            g: int(ds["observed_gemms"].sel(step=0, module=module, gemm=g))
+            for g in ("fprop", "dgrad", "wgrad")
+        } == {g: int(g in quantized) for g in ("fprop", "dgrad", "wgrad")}
         # torchao's GEMM configs: fast accumulation for the output GEMM only
         assert str(ds["observed_accumulation"].sel(step=0, module=module, gemm="fprop").values) == "fast"
     assert "Float8Linear" in ds.attrs["quantized_by"] and "torchao" in ds.attrs["quantized_by"]
@@ -101,8 +111,9 @@ def test_observed_counts_equal_a_recomputation_from_the_captured_casts_bit_for_b
     monkeypatch.setenv("USER_TORCHAO_RECIPE", "tensorwise")
     torch.manual_seed(0)
     model = user_torchao.MLPModel(depth=1, width=64)
-    user_torchao.convert_to_float8_training(model, config=user_torchao.config(),
-                                            module_filter_fn=lambda module, name: name == "blocks.0.fc1")
+    user_torchao.convert_to_float8_training(
+        model, config=user_torchao.config(), module_filter_fn=lambda module, name: name == "blocks.0.fc1"
+    )
     capture = CastRecorder()
     rec = instrument(model, attention=None)
     inputs, targets = user_fp8.batches(RunSpec(batch_size=3, seq_len=16), torch.Generator().manual_seed(1))
@@ -111,15 +122,22 @@ def test_observed_counts_equal_a_recomputation_from_the_captured_casts_bit_for_b
     ds = rec.dataset()
     tokens, width = inputs.numel(), 64
     # each operand's (dtype, shape as cast): x (tokens, in), W (out, in), dy (tokens, out)
-    shapes = {"fprop.a": (torch.float8_e4m3fn, (tokens, width)), "fprop.b": (torch.float8_e4m3fn, (2 * width, width)),
-              "dgrad.a": (torch.float8_e5m2, (tokens, 2 * width)),
-              "dgrad.b": (torch.float8_e4m3fn, (2 * width, width)),
-              "wgrad.a": (torch.float8_e5m2, (tokens, 2 * width)), "wgrad.b": (torch.float8_e4m3fn, (tokens, width))}
+    shapes = {
+        "fprop.a": (torch.float8_e4m3fn, (tokens, width)),
+        "fprop.b": (torch.float8_e4m3fn, (2 * width, width)),
+        "dgrad.a": (torch.float8_e5m2, (tokens, 2 * width)),
+        "dgrad.b": (torch.float8_e4m3fn, (2 * width, width)),
+        "wgrad.a": (torch.float8_e5m2, (tokens, 2 * width)),
+        "wgrad.b": (torch.float8_e4m3fn, (tokens, width)),
+    }
     sums = ds["observed_sums"].sel(step=0, module="blocks.0.fc1")
     for operand, (dtype, shape) in shapes.items():
         # as torchao casts it: x with its leading dims, W transposed (its GEMMs take W^T)
-        y, q = next((y, q) for y, q in capture.casts
-                    if q.dtype == dtype and sorted(q.reshape(-1, q.shape[-1]).shape) == sorted(shape))
+        y, q = next(
+            (y, q)
+            for y, q in capture.casts
+            if q.dtype == dtype and sorted(q.reshape(-1, q.shape[-1]).shape) == sorted(shape)
+        )
         q = q.float()
         field = dict(zip(SUM_FIELDS, sums.sel(operand=operand).values))
         assert field["numel"] == q.numel()
@@ -136,9 +154,17 @@ def test_a_users_own_casts_and_scaled_mm_are_observed_and_checked():
     blocks = ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
     formats = ds["observed_format"].sel(step=0, module=blocks)
     # the model's code: E4M3 forward and weights, E5M2 gradients, one scale per tensor
-    wanted = {"fprop.a": "e4m3:tensor", "fprop.b": "e4m3:tensor", "dgrad.a": "e5m2:tensor",
-              "dgrad.b": "e4m3:tensor", "wgrad.a": "e5m2:tensor", "wgrad.b": "e4m3:tensor"}
-    assert {o: set(formats.sel(operand=o).values) for o in GEMM_OPERANDS} == {o: {t} for o, t in wanted.items()}
+    wanted = {
+        "fprop.a": "e4m3:tensor",
+        "fprop.b": "e4m3:tensor",
+        "dgrad.a": "e5m2:tensor",
+        "dgrad.b": "e4m3:tensor",
+        "wgrad.a": "e5m2:tensor",
+        "wgrad.b": "e4m3:tensor",
+    }
+    assert {o: set(formats.sel(operand=o).values) for o in GEMM_OPERANDS} == {
+        o: {t} for o, t in wanted.items()
+    }
     # use_fast_accum=True in its forward GEMM only
     assert set(ds["observed_accumulation"].sel(step=0, module=blocks, gemm="fprop").values) == {"fast"}
     assert set(ds["observed_accumulation"].sel(step=0, module=blocks, gemm="wgrad").values) == {"precise"}
@@ -199,10 +225,14 @@ def test_a_recipe_over_a_model_that_quantizes_itself_is_refused_naming_the_modul
 def test_a_users_model_without_a_recipe_of_the_suite_is_named_by_its_own_quantization():
     spec = RunSpec(model="user_torchao:build", batches="user_torchao:batches")
     assert case_id(spec).startswith("user_torchao-build-softmax-own-")
-    assert case_id(dataclasses.replace(spec, recipe="fp8-hybrid")).startswith("user_torchao-build-softmax-fp8-hybrid-")
+    assert case_id(dataclasses.replace(spec, recipe="fp8-hybrid")).startswith(
+        "user_torchao-build-softmax-fp8-hybrid-"
+    )
     # expectations judge a case, they do not make another one; an unset new field stays out of the JSON
     assert case_id(dataclasses.replace(spec, expect=(("blocks.*", "fp8-hybrid"),))) == case_id(spec)
-    assert "expect" not in json.loads(spec.to_json()) and "replace_own_quantization" not in json.loads(spec.to_json())
+    assert "expect" not in json.loads(spec.to_json()) and "replace_own_quantization" not in json.loads(
+        spec.to_json()
+    )
     assert RunSpec.from_json(spec.to_json()) == spec
 
 
@@ -217,9 +247,11 @@ def test_a_change_of_the_observed_recipe_is_a_finding_naming_the_module_and_the_
     [head] = observed.check_observed_recipe(no_head, base)
     assert "head: scaled GEMMs observed 3 -> 0 at step 0" in head.message and head.kind == "regression"
     messages = [f.message for f in observed.check_observed_recipe(rowwise, base)]
-    assert any("blocks.1.fc1 dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> "
-               "e4m3:row (1x128, float32 pow2, target 1)" in m
-               for m in messages)
+    assert any(
+        "blocks.1.fc1 dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> "
+        "e4m3:row (1x128, float32 pow2, target 1)" in m
+        for m in messages
+    )
     assert len(messages) == 6 * 5  # every operand of the five float8 linears: four in blocks, the head
 
 
@@ -228,13 +260,19 @@ def test_gradients_cast_to_e4m3_instead_of_e5m2_are_named(monkeypatch):
     monkeypatch.setenv("USER_FP8_GRADIENTS", "e4m3")
     changed, _ = one_step(user_fp8.build(RunSpec()))
     changes = {(f.where["module"], f.where["operand"]) for f in observed.check_observed_recipe(changed, base)}
-    assert changes == {(m, o) for m in ("blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2")
-                       for o in ("dgrad.a", "wgrad.a")}
+    assert changes == {
+        (m, o)
+        for m in ("blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2")
+        for o in ("dgrad.a", "wgrad.a")
+    }
 
 
 def with_expectations(ds, *pairs):
-    spec = {**json.loads(ds.attrs["spec"]), "expect": [list(p) for p in pairs]} if "spec" in ds.attrs \
+    spec = (
+        {**json.loads(ds.attrs["spec"]), "expect": [list(p) for p in pairs]}
+        if "spec" in ds.attrs
         else {"expect": [list(p) for p in pairs]}
+    )
     return ds.assign_attrs(spec=json.dumps(spec))
 
 
@@ -245,8 +283,10 @@ def test_a_declared_recipe_fails_where_the_observation_differs_and_where_nothing
     # torchao's tensorwise recipe is fp8-hybrid: E4M3 forward, E5M2 gradients, tensor scales
     assert observed.check_expected(with_expectations(tensorwise, *declared)) == []
     [nothing] = observed.check_expected(with_expectations(no_head, *declared))
-    assert nothing.message.endswith("head is expected to quantize as fp8-hybrid but quantizes nothing: no cast "
-                                    "to an 8-bit float and no scaled GEMM was observed in it")
+    assert nothing.message.endswith(
+        "head is expected to quantize as fp8-hybrid but quantizes nothing: no cast "
+        "to an 8-bit float and no scaled GEMM was observed in it"
+    )
     assert judge.judge_case(with_expectations(no_head, *declared), None).status == "fail"
     assert observed.check_expected(with_expectations(no_head, ("head", "fp32"), ("*", "fp8-hybrid"))) == []
     wrong = observed.check_expected(with_expectations(tensorwise, ("*", "e4m3:tensor")))
@@ -260,9 +300,17 @@ def test_rowwise_expectations_read_row_and_column_blocks(monkeypatch):
     rowwise, _ = one_step(torchao_model(monkeypatch, "rowwise"))
     config = user_torchao.config("rowwise")
     blocks = {o: expected_torchao_text(config, o).split(":")[1] for o in GEMM_OPERANDS}
-    monkeypatch.setenv("PRECISION_SUITE_RECIPES", json.dumps({"torchao-rowwise": {
-        g: {"a": f"e4m3:{blocks[g + '.a']}", "b": f"e4m3:{blocks[g + '.b']}", "hadamard": 0}
-        for g in ("fprop", "dgrad", "wgrad")}}))
+    monkeypatch.setenv(
+        "PRECISION_SUITE_RECIPES",
+        json.dumps(
+            {
+                "torchao-rowwise": {
+                    g: {"a": f"e4m3:{blocks[g + '.a']}", "b": f"e4m3:{blocks[g + '.b']}", "hadamard": 0}
+                    for g in ("fprop", "dgrad", "wgrad")
+                }
+            }
+        ),
+    )
     assert get_recipe("torchao-rowwise").fprop.a.layout == (1, 0)
     assert observed.check_expected(with_expectations(rowwise, ("blocks.*", "torchao-rowwise"))) == []
 
@@ -289,15 +337,20 @@ def test_a_users_scaled_mm_is_accumulated_as_its_use_fast_accum_says(monkeypatch
     torch.manual_seed(0)
     ds, _ = one_step(user_fp8.build(RunSpec()))
     modes = ds["accumulation_mode"].sel(step=0, module="blocks.0.fc1")
-    assert [str(modes.sel(gemm=g).values) for g in ("fprop", "dgrad", "wgrad")] == \
-        ["hopper-fast", "hopper-promoted:128", "hopper-promoted:128"]
+    assert [str(modes.sel(gemm=g).values) for g in ("fprop", "dgrad", "wgrad")] == [
+        "hopper-fast",
+        "hopper-promoted:128",
+        "hopper-promoted:128",
+    ]
     errors = module_view(ds)["accumulation_error"].sel(step=0, module="blocks.0.fc1", accumulation=AS_RUN)
     # blocks.0.fc1's forward GEMM is the model's first call (fast), its weight-gradient GEMM the last
     assert calls[0][4] and not calls[-1][4]
     for gemm, (a, b, scale_a, scale_b, fast) in (("fprop", calls[0]), ("wgrad", calls[-1])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # splitk=1: the unsplit GEMM the model covers
-            c = mmaemu.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+            c = mmaemu.scaled_mm(
+                a, b, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast, splitk=1
+            )
         r = (a.double() * scale_a.double()) @ (b.double() * scale_b.double())
         expected = relative_error(torch.stack([((c.double() - r) ** 2).sum(), (r * r).sum()]))
         assert float(errors.sel(gemm=gemm)) == pytest.approx(expected, rel=1e-9)

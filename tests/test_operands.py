@@ -45,10 +45,12 @@ from test_teeth import wgrad_of_the_unquantized_activation
 
 BLOCK_MODULES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]
 # every way an operand is declared: fp32 kept, bf16 cast, stochastic e5m2, a Hadamard-rotated wgrad
-MIXED = Recipe("lockstep-mixed",
-               fprop=Gemm(Operand("e4m3", (1, 128)), Operand("bf16")),
-               dgrad=Gemm(Operand("e5m2", (1, 128), "stochastic"), Operand("e4m3", "tensor")),
-               wgrad=Gemm(Operand("e5m2", (128, 1)), Operand(HIGH_PRECISION), hadamard=16))
+MIXED = Recipe(
+    "lockstep-mixed",
+    fprop=Gemm(Operand("e4m3", (1, 128)), Operand("bf16")),
+    dgrad=Gemm(Operand("e5m2", (1, 128), "stochastic"), Operand("e4m3", "tensor")),
+    wgrad=Gemm(Operand("e5m2", (128, 1)), Operand(HIGH_PRECISION), hadamard=16),
+)
 RECIPES = [*NAMED_RECIPES, "bf16", "e4m3:tensor", MIXED.name]
 
 
@@ -78,9 +80,17 @@ def seeded(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("operand", [Operand(HIGH_PRECISION), Operand("e4m3", (1, 128)), Operand("mxfp8", (32, 1)),
-                                     Operand("nvfp4", (16, 16)), Operand("nvfp4", (1, 16), "stochastic"),
-                                     Operand("e5m2", "tensor", "stochastic")])
+@pytest.mark.parametrize(
+    "operand",
+    [
+        Operand(HIGH_PRECISION),
+        Operand("e4m3", (1, 128)),
+        Operand("mxfp8", (32, 1)),
+        Operand("nvfp4", (16, 16)),
+        Operand("nvfp4", (1, 16), "stochastic"),
+        Operand("e5m2", "tensor", "stochastic"),
+    ],
+)
 def test_an_operand_as_applied_matches_and_one_changed_element_is_counted(operand):
     live = seeded(128, 128)
     live[3, :7] = torch.tensor([0.0, -0.0, float("nan"), 1e-30, -1e-30, 0.5, -2.0])
@@ -132,11 +142,19 @@ def test_quant_linear_fn_hands_every_consumed_operand_to_an_observer_and_observi
         assert operand == recipe.operand(where)
         assert int(operand.mismatches(live, consumed)) == 0, where
     shapes = {where: tuple(live.shape) for _, where, live, *_ in seen}
-    assert shapes == {"fprop.a": (72, 128), "fprop.b": (64, 128), "dgrad.a": (72, 64), "dgrad.b": (64, 128),
-                      "wgrad.a": (80, 64), "wgrad.b": (80, 128)}
+    assert shapes == {
+        "fprop.a": (72, 128),
+        "fprop.b": (64, 128),
+        "dgrad.a": (72, 64),
+        "dgrad.b": (64, 128),
+        "wgrad.a": (80, 64),
+        "wgrad.b": (80, 128),
+    }
     # the observer draws no random numbers and alters nothing: same gradients without it
     plain, unseen, plain_x_grad = train_once(observe=False)
-    assert not unseen and torch.equal(plain.weight.grad, layer.weight.grad) and torch.equal(plain_x_grad, x_grad)
+    assert (
+        not unseen and torch.equal(plain.weight.grad, layer.weight.grad) and torch.equal(plain_x_grad, x_grad)
+    )
     train_once(observe=False)
     assert len(seen) == 6  # removed: no longer called
 
@@ -148,7 +166,9 @@ def test_quant_linear_fn_hands_every_consumed_operand_to_an_observer_and_observi
 def test_unchanged_recipes_consume_what_they_declare(recipe):
     ds = clean_run(recipe)
     declared = get_recipe(recipe)
-    assert [str(v) for v in ds["operand_declared"].values] == [declared.operand(w).text() for w in GEMM_OPERANDS]
+    assert [str(v) for v in ds["operand_declared"].values] == [
+        declared.operand(w).text() for w in GEMM_OPERANDS
+    ]
     assert (ds["operand_numel"].sel(module=BLOCK_MODULES).values > 0).all()  # every operand compared
     assert (ds["operand_numel"].sel(module="head").values == 0).all()  # measured, not quantized
     assert int(ds["operand_mismatch"].sum()) == 0
@@ -163,7 +183,10 @@ def test_a_float_run_compares_nothing_and_rules_read_the_counts_per_module():
     assert check_operands(ds) == []
     view = module_view(clean_run("fp8-block"))
     assert (view["operand_mismatch"].sel(module=BLOCK_MODULES) == 0).all()
-    assert check_rules(clean_run("fp8-block"), ["operand_mismatch <= 0 @ module=blocks.*, operand=fprop.b"]) == []
+    assert (
+        check_rules(clean_run("fp8-block"), ["operand_mismatch <= 0 @ module=blocks.*, operand=fprop.b"])
+        == []
+    )
 
 
 def test_a_users_linears_are_checked_under_their_own_names():
@@ -179,8 +202,9 @@ def test_a_users_linears_are_checked_under_their_own_names():
     ds = recorder.dataset(case="user")
     assert list(ds["module"].values) == ["0", "2"]
     assert (ds["operand_numel"].values > 0).all() and int(ds["operand_mismatch"].sum()) == 0
-    assert recorder.measured_elements(64) > instrument(nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(
-        256, 128)), attention=None).measured_elements(64)  # the checks' fresh quantizations are counted
+    assert recorder.measured_elements(64) > instrument(
+        nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)), attention=None
+    ).measured_elements(64)  # the checks' fresh quantizations are counted
 
 
 # --------------------------------------------------------------------------- planted recipe bugs
@@ -189,7 +213,9 @@ def test_a_users_linears_are_checked_under_their_own_names():
 def plant(monkeypatch, wrong) -> None:
     """Operand.apply computes `wrong(operand, x2d, apply)` instead."""
     apply = Operand.apply
-    monkeypatch.setattr(Operand, "apply", lambda self, x2d, generator: wrong(self, x2d, lambda op, t: apply(op, t, generator)))
+    monkeypatch.setattr(
+        Operand, "apply", lambda self, x2d, generator: wrong(self, x2d, lambda op, t: apply(op, t, generator))
+    )
 
 
 def caught(ds, operands: list[str], first_step: int) -> list:
@@ -203,12 +229,20 @@ def caught(ds, operands: list[str], first_step: int) -> list:
     outcome = judge_case(ds, None, known=[excused])
     assert outcome.status == "fail"
     findings = [f for f in outcome.findings if f.metric == "operand_mismatch"]
-    assert {(f.where["module"], f.where["operand"]) for f in findings} == {(m, o) for m in BLOCK_MODULES for o in operands}
+    assert {(f.where["module"], f.where["operand"]) for f in findings} == {
+        (m, o) for m in BLOCK_MODULES for o in operands
+    }
     for f in findings:
         assert f.kind == "regression" and not f.known and f.where["step"] == first_step
-        numel = int(ds["operand_numel"].sel(module=f.where["module"], operand=f.where["operand"], step=first_step))
-        assert f"operand {f.where['operand']} of {f.where['module']} consumed {int(f.value):,} of {numel:,} elements" \
-            in f.message and f"at step {first_step}" in f.message and ds.attrs["case"] in f.message
+        numel = int(
+            ds["operand_numel"].sel(module=f.where["module"], operand=f.where["operand"], step=first_step)
+        )
+        assert (
+            f"operand {f.where['operand']} of {f.where['module']} consumed {int(f.value):,} of {numel:,} elements"
+            in f.message
+            and f"at step {first_step}" in f.message
+            and ds.attrs["case"] in f.message
+        )
     return findings
 
 
@@ -232,7 +266,9 @@ def test_a_stale_weight_cache_is_caught_at_the_first_sampled_step_after_the_weig
     ds = small_run("fp8-block")
     changed_training(ds, clean, from_step=1)
     findings = caught(ds, ["fprop.b", "dgrad.b"], first_step=1)  # dgrad reuses fprop's 128x128 weight
-    qkv = next(f for f in findings if f.where == {"module": "blocks.0.attn.qkv", "operand": "fprop.b", "step": 1})
+    qkv = next(
+        f for f in findings if f.where == {"module": "blocks.0.attn.qkv", "operand": "fprop.b", "step": 1}
+    )
     assert "differ from a fresh e4m3 128x128 quantization of the live tensor" in qkv.message
     assert "(and at 1 later sampled step)" in qkv.message
     drift_chart.plot_drift(ds, None, findings)  # a failing case's chart draws these panels
@@ -269,7 +305,9 @@ def test_a_wgrad_fed_the_unquantized_activation_is_caught_at_step_0(monkeypatch)
     ds = small_run("fp8-block")
     changed_training(ds, clean, from_step=1)  # the weight gradient: the loss after the first update
     findings = caught(ds, ["wgrad.b"], first_step=0)
-    assert all("differ from a fresh e4m3 128x1 quantization of the live tensor" in f.message for f in findings)
+    assert all(
+        "differ from a fresh e4m3 128x1 quantization of the live tensor" in f.message for f in findings
+    )
 
 
 def one_layer_mismatches(recipe: Recipe) -> dict[str, tuple[int, int]]:
@@ -294,14 +332,23 @@ def one_layer_mismatches(recipe: Recipe) -> dict[str, tuple[int, int]]:
 def planted_wgrad(monkeypatch, compute) -> None:
     """The wgrad GEMM computes `compute(layer, recipe, a, b, product)` (`product`: the unplanted one)."""
     product = recipes._product
-    monkeypatch.setattr(recipes, "_product", lambda layer, recipe, gemm, a, b, bias=None: (
-        compute(layer, recipe, a, b, product) if gemm == "wgrad" else product(layer, recipe, gemm, a, b, bias)))
+    monkeypatch.setattr(
+        recipes,
+        "_product",
+        lambda layer, recipe, gemm, a, b, bias=None: (
+            compute(layer, recipe, a, b, product)
+            if gemm == "wgrad"
+            else product(layer, recipe, gemm, a, b, bias)
+        ),
+    )
 
 
 def stochastic_x(layer, recipe, a, b, product):
     """x rounded stochastically though round-to-nearest is declared: on the declared grid and scales."""
     x_rows, _ = b
-    drawn = dataclasses.replace(recipe.wgrad.b, rounding="stochastic").apply(x_rows, torch.Generator().manual_seed(5))
+    drawn = dataclasses.replace(recipe.wgrad.b, rounding="stochastic").apply(
+        x_rows, torch.Generator().manual_seed(5)
+    )
     return product(layer, recipe, "wgrad", a, (x_rows, drawn))
 
 
@@ -311,14 +358,23 @@ def elementwise(layer, recipe, a, b, product):
     return (dy_wgrad[:, :, None] * x_wgrad[:, None, :]).sum(0)
 
 
-@pytest.mark.parametrize(("recipe", "compute", "mismatched"), [
-    ("fp8-block", lambda layer, recipe, a, b, product: a[1].t() @ b[0], ["wgrad.b"]),
-    ("fp8-block-hopper", lambda layer, recipe, a, b, product: a[1].t() @ b[0], ["wgrad.b"]),  # bypasses the emulation
-    ("fp8-block-hopper", stochastic_x, ["wgrad.b"]),  # what the emulated GEMM received
-    ("fp8-block", elementwise, ["wgrad.a", "wgrad.b"]),
-], ids=["torch product", "emulation bypassed", "emulated", "no matrix product"])
-def test_the_check_compares_what_each_gemm_received_not_what_the_quantizer_returned(recipe, compute, mismatched,
-                                                                                   monkeypatch):
+@pytest.mark.parametrize(
+    ("recipe", "compute", "mismatched"),
+    [
+        ("fp8-block", lambda layer, recipe, a, b, product: a[1].t() @ b[0], ["wgrad.b"]),
+        (
+            "fp8-block-hopper",
+            lambda layer, recipe, a, b, product: a[1].t() @ b[0],
+            ["wgrad.b"],
+        ),  # bypasses the emulation
+        ("fp8-block-hopper", stochastic_x, ["wgrad.b"]),  # what the emulated GEMM received
+        ("fp8-block", elementwise, ["wgrad.a", "wgrad.b"]),
+    ],
+    ids=["torch product", "emulation bypassed", "emulated", "no matrix product"],
+)
+def test_the_check_compares_what_each_gemm_received_not_what_the_quantizer_returned(
+    recipe, compute, mismatched, monkeypatch
+):
     declared = get_recipe(recipe)
     clean = one_layer_mismatches(declared)
     assert list(clean) == list(GEMM_OPERANDS) and all(count == 0 for count, _ in clean.values())

@@ -23,7 +23,11 @@ FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2,
 # OCP MX's FP6 element, declared here only: a format the package does not ship
 E3M2 = ElementType("e3m2", exp_bits=3, man_bits=2, bias=3, max=28.0)
 # each minifloat element with the ml_dtypes type that is its oracle
-MINIFLOAT_ORACLES = [(E4M3, ml_dtypes.float8_e4m3fn), (E5M2, ml_dtypes.float8_e5m2), (E2M1, ml_dtypes.float4_e2m1fn)]
+MINIFLOAT_ORACLES = [
+    (E4M3, ml_dtypes.float8_e4m3fn),
+    (E5M2, ml_dtypes.float8_e5m2),
+    (E2M1, ml_dtypes.float4_e2m1fn),
+]
 
 
 def _blocks(x: np.ndarray, layout) -> tuple[np.ndarray, tuple[int, int]]:
@@ -78,7 +82,9 @@ def _ours(x: np.ndarray, fmt: str, layout) -> np.ndarray:
 
 def _assert_bits_equal(ours: np.ndarray, ref: np.ndarray) -> None:
     mismatch = ours.view(np.uint32) != ref.view(np.uint32)
-    assert not mismatch.any(), f"{mismatch.sum()} mismatches, first at {np.argwhere(mismatch)[0]}: ours {ours[mismatch][0]!r} oracle {ref[mismatch][0]!r}"
+    assert not mismatch.any(), (
+        f"{mismatch.sum()} mismatches, first at {np.argwhere(mismatch)[0]}: ours {ours[mismatch][0]!r} oracle {ref[mismatch][0]!r}"
+    )
 
 
 def _wide(seed: int, shape=(256, 384)) -> np.ndarray:
@@ -100,7 +106,9 @@ def test_fp8_blocks_match_oracle_on_wide_data(fmt, layout):
 @pytest.mark.parametrize("layout", [(1, 32), (32, 1)])
 def test_mxfp8_matches_oracle_on_wide_data(layout):
     for seed in range(3):
-        x = _wide(seed, shape=(256, 300))  # 300 does not divide by 32: padded blocks too; large enough for the fused path
+        x = _wide(
+            seed, shape=(256, 300)
+        )  # 300 does not divide by 32: padded blocks too; large enough for the fused path
         _assert_bits_equal(_ours(x, "mxfp8", layout), oracle_mxfp8(x, layout))
 
 
@@ -131,25 +139,33 @@ def test_every_fp8_bit_pattern_and_every_midpoint(fmt):
     row = np.concatenate([probes, [F32(fmax)]]).astype(F32)[None, :]
     ours = _ours(row, fmt, "tensor")
     _assert_bits_equal(ours, row.astype(dtype).astype(F32))
-    assert np.array_equal(_ours(grid[None, :], fmt, "tensor"), grid[None, :]), "grid values must be fixed points"
+    assert np.array_equal(_ours(grid[None, :], fmt, "tensor"), grid[None, :]), (
+        "grid values must be fixed points"
+    )
 
 
 def test_every_bf16_bit_pattern_and_ties():
     grid = np.unique(all_finite_values(ml_dtypes.bfloat16))
     mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
-    probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])[None, :]
+    probes = np.concatenate([grid, mids, np.nextafter(mids, F32(np.inf)), np.nextafter(mids, F32(-np.inf))])[
+        None, :
+    ]
     _assert_bits_equal(_ours(probes, "bf16", "tensor"), probes.astype(ml_dtypes.bfloat16).astype(F32))
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=pst.tensors(shape=pst.shapes(max_rows=160, max_cols=160, max_rank=2), min_log2=-140, max_log2=60),
-       fmt=st.sampled_from(["e4m3", "e5m2"]), layout=pst.layouts(max_block=40))
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=160, max_cols=160, max_rank=2), min_log2=-140, max_log2=60),
+    fmt=st.sampled_from(["e4m3", "e5m2"]),
+    layout=pst.layouts(max_block=40),
+)
 def test_fp8_matches_oracle_property(x, fmt, layout):
     _assert_bits_equal(_ours(x.numpy(), fmt, layout), oracle_fp8(x.numpy(), fmt, layout))
 
 
-@pytest.mark.parametrize("element, dtype", [*MINIFLOAT_ORACLES, (BF16, ml_dtypes.bfloat16)],
-                         ids=lambda v: getattr(v, "name", ""))
+@pytest.mark.parametrize(
+    "element, dtype", [*MINIFLOAT_ORACLES, (BF16, ml_dtypes.bfloat16)], ids=lambda v: getattr(v, "name", "")
+)
 @pytest.mark.parametrize("rounding", [round_to_element, round_by_bits], ids=["torch-cast", "bit-arithmetic"])
 def test_both_rounding_paths_match_ml_dtypes_on_every_value_and_tie(element, dtype, rounding):
     """torch's cast (where the element has a torch type) and the bit arithmetic (any minifloat:
@@ -162,8 +178,11 @@ def test_both_rounding_paths_match_ml_dtypes_on_every_value_and_tie(element, dty
     _assert_bits_equal(ours, probes.astype(dtype).astype(F32))
 
 
-@pytest.mark.parametrize("element, dtype", [*MINIFLOAT_ORACLES, (E3M2, ml_dtypes.float6_e3m2fn)],
-                         ids=lambda v: getattr(v, "name", ""))
+@pytest.mark.parametrize(
+    "element, dtype",
+    [*MINIFLOAT_ORACLES, (E3M2, ml_dtypes.float6_e3m2fn)],
+    ids=lambda v: getattr(v, "name", ""),
+)
 def test_bit_arithmetic_rounds_any_float32_like_ml_dtypes(element, dtype):
     """Beyond the ties: 2**22 random float32 bit patterns within +-max, and every float32 of the
     two binades around the element's smallest normal, where the quantum stops shrinking (2**24
@@ -171,8 +190,10 @@ def test_bit_arithmetic_rounds_any_float32_like_ml_dtypes(element, dtype):
     rng = np.random.default_rng(0)
     random = rng.integers(0, 2**32, size=2**22, dtype=np.uint32).view(F32)
     random = random[np.isfinite(random) & (np.abs(random) <= element.max)]
-    boundary = np.arange(*np.array([2.0 ** (element.emin - 1), 2.0 ** (element.emin + 1)], F32).view(np.uint32),
-                         dtype=np.uint32).view(F32)
+    boundary = np.arange(
+        *np.array([2.0 ** (element.emin - 1), 2.0 ** (element.emin + 1)], F32).view(np.uint32),
+        dtype=np.uint32,
+    ).view(F32)
     probes = np.concatenate([random, boundary, -boundary, np.array([0.0, -0.0], F32)])
     ours = round_by_bits(torch.from_numpy(probes), element).numpy()
     _assert_bits_equal(ours, probes.astype(dtype).astype(F32))

@@ -61,60 +61,115 @@ class Client:
     @property
     def fields(self) -> dict:
         name = self.module.removesuffix(".py")
-        return {"model": f"{name}:build", "batches": f"{name}:batches", "steps": 4, "sample_every": 2, "width": 32,
-                **self.case}
+        return {
+            "model": f"{name}:build",
+            "batches": f"{name}:batches",
+            "steps": 4,
+            "sample_every": 2,
+            "width": 32,
+            **self.case,
+        }
 
 
 RENAME = "rename"
 CLIENTS = {
     # torchao Float8Linear (convert_to_float8_training), its SDPA in the top module
-    "torchao": Client("user_torchao.py", changes={
-        RENAME: Change("keep_head", "head_in_high_precision", passes=True),
-        "which modules quantize": Change('"USER_TORCHAO_HEAD", "fp8"', '"USER_TORCHAO_HEAD", "hp"',
-                                         "head: scaled GEMMs observed 3 -> 0"),
-        "block layout": Change('"USER_TORCHAO_RECIPE", "tensorwise"', '"USER_TORCHAO_RECIPE", "rowwise"',
-                               "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32, target 1) -> e4m3:row"),
-        # changes of model code: no module's quantization changed, the numbers did
-        "model code: residual x0.5": Change('"USER_TORCHAO_RESIDUAL", "1"', '"USER_TORCHAO_RESIDUAL", "0.5"'),
-        "model code: attention 1/d": Change('"USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)"',
-                                            '"USER_TORCHAO_ATTENTION_SCALE", "1/d"'),
-    }, no_baseline_gate=frozenset({RENAME, "block layout", "model code: residual x0.5"})),
+    "torchao": Client(
+        "user_torchao.py",
+        changes={
+            RENAME: Change("keep_head", "head_in_high_precision", passes=True),
+            "which modules quantize": Change(
+                '"USER_TORCHAO_HEAD", "fp8"',
+                '"USER_TORCHAO_HEAD", "hp"',
+                "head: scaled GEMMs observed 3 -> 0",
+            ),
+            "block layout": Change(
+                '"USER_TORCHAO_RECIPE", "tensorwise"',
+                '"USER_TORCHAO_RECIPE", "rowwise"',
+                "blocks.0.fc1 fprop operand a: e4m3:tensor (tensor, float32, target 1) -> e4m3:row",
+            ),
+            # changes of model code: no module's quantization changed, the numbers did
+            "model code: residual x0.5": Change(
+                '"USER_TORCHAO_RESIDUAL", "1"', '"USER_TORCHAO_RESIDUAL", "0.5"'
+            ),
+            "model code: attention 1/d": Change(
+                '"USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)"', '"USER_TORCHAO_ATTENTION_SCALE", "1/d"'
+            ),
+        },
+        no_baseline_gate=frozenset({RENAME, "block layout", "model code: residual x0.5"}),
+    ),
     # a hand-written torch._scaled_mm model (user_fp8.py)
-    "_scaled_mm": Client("user_fp8.py", changes={
-        RENAME: Change("column_major", "to_column_major", passes=True),
-        "element format": Change('"USER_FP8_GRADIENTS", "e5m2"', '"USER_FP8_GRADIENTS", "e4m3"',
-                                 "dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> e4m3:tensor (tensor, float32, target 1)"),
-        "rounding": Change('"USER_FP8_ROUNDING", "nearest"', '"USER_FP8_ROUNDING", "toward_zero"',
-                           "round-to-nearest of their high-precision source at the GEMM's own scale cannot give"),
-    }),
+    "_scaled_mm": Client(
+        "user_fp8.py",
+        changes={
+            RENAME: Change("column_major", "to_column_major", passes=True),
+            "element format": Change(
+                '"USER_FP8_GRADIENTS", "e5m2"',
+                '"USER_FP8_GRADIENTS", "e4m3"',
+                "dgrad operand a: e5m2:tensor (tensor, float32, target 1) -> e4m3:tensor (tensor, float32, target 1)",
+            ),
+            "rounding": Change(
+                '"USER_FP8_ROUNDING", "nearest"',
+                '"USER_FP8_ROUNDING", "toward_zero"',
+                "round-to-nearest of their high-precision source at the GEMM's own scale cannot give",
+            ),
+        },
+    ),
 }
 # the fake-quantization clients: casts dequantized into plain matrix products
 FAKE_QUANTIZATION_CLIENTS = {
     # blockwise QDQ in a custom autograd Function, gradients quantized in its backward; attention in
     # a submodule of each block
-    "hand-written QDQ": Client("user_qdq.py", case={"width": 128}, changes={
-        RENAME: Change("parse_block", "block_shape", passes=True),
-        "block layout": Change('"USER_QDQ_WEIGHT_BLOCK", "128x128"', '"USER_QDQ_WEIGHT_BLOCK", "1x128"',
-                               "blocks.0.attn.proj dgrad operand b: e4m3:tensor (tensor, float32, target 1) -> "
-                               "e4m3:row (1x128, float32, target 1)"),
-        "element format": Change('"USER_QDQ_GRADIENTS", "e5m2"', '"USER_QDQ_GRADIENTS", "e4m3"',
-                                 "blocks.0.attn.proj dgrad operand a: e5m2:row (1x128, float32, target 1) -> "
-                                 "e4m3:row (1x128, float32, target 1)"),
-        "which modules quantize": Change('"USER_QDQ_FP32_MODULES", ""', '"USER_QDQ_FP32_MODULES", "head"',
-                                         "head: scaled GEMMs observed 3 -> 0"),
-        "scale target": Change('"USER_QDQ_TARGET", "448"', '"USER_QDQ_TARGET", "240"',
-                               "(1x128, float32, target 1) -> e5m2:row (1x128, float32, target 0.54)"),
-        "rounding": Change('"USER_QDQ_ROUNDING", "nearest"', '"USER_QDQ_ROUNDING", "toward_zero"',
-                           "round-to-nearest of their high-precision source at the GEMM's own scale cannot give"),
-    }),
+    "hand-written QDQ": Client(
+        "user_qdq.py",
+        case={"width": 128},
+        changes={
+            RENAME: Change("parse_block", "block_shape", passes=True),
+            "block layout": Change(
+                '"USER_QDQ_WEIGHT_BLOCK", "128x128"',
+                '"USER_QDQ_WEIGHT_BLOCK", "1x128"',
+                "blocks.0.attn.proj dgrad operand b: e4m3:tensor (tensor, float32, target 1) -> "
+                "e4m3:row (1x128, float32, target 1)",
+            ),
+            "element format": Change(
+                '"USER_QDQ_GRADIENTS", "e5m2"',
+                '"USER_QDQ_GRADIENTS", "e4m3"',
+                "blocks.0.attn.proj dgrad operand a: e5m2:row (1x128, float32, target 1) -> "
+                "e4m3:row (1x128, float32, target 1)",
+            ),
+            "which modules quantize": Change(
+                '"USER_QDQ_FP32_MODULES", ""',
+                '"USER_QDQ_FP32_MODULES", "head"',
+                "head: scaled GEMMs observed 3 -> 0",
+            ),
+            "scale target": Change(
+                '"USER_QDQ_TARGET", "448"',
+                '"USER_QDQ_TARGET", "240"',
+                "(1x128, float32, target 1) -> e5m2:row (1x128, float32, target 0.54)",
+            ),
+            "rounding": Change(
+                '"USER_QDQ_ROUNDING", "nearest"',
+                '"USER_QDQ_ROUNDING", "toward_zero"',
+                "round-to-nearest of their high-precision source at the GEMM's own scale cannot give",
+            ),
+        },
+    ),
     # torchao QAT float8 (FakeQuantizedLinear), straight-through backward
-    "torchao QAT": Client("user_qat.py", case={"width": 128}, changes={
-        RENAME: Change("GRANULARITIES", "SCALE_GRANULARITIES", passes=True),
-        "block layout": Change('"USER_QAT_GRANULARITY", "rowwise"', '"USER_QAT_GRANULARITY", "tensorwise"',
-                               "h.0.attn.c_attn dgrad operand b: e4m3:row"),
-        "which modules quantize": Change('"USER_QAT_HEAD", "fp8"', '"USER_QAT_HEAD", "hp"',
-                                         "lm_head: scaled GEMMs observed 3 -> 0"),
-    }),
+    "torchao QAT": Client(
+        "user_qat.py",
+        case={"width": 128},
+        changes={
+            RENAME: Change("GRANULARITIES", "SCALE_GRANULARITIES", passes=True),
+            "block layout": Change(
+                '"USER_QAT_GRANULARITY", "rowwise"',
+                '"USER_QAT_GRANULARITY", "tensorwise"',
+                "h.0.attn.c_attn dgrad operand b: e4m3:row",
+            ),
+            "which modules quantize": Change(
+                '"USER_QAT_HEAD", "fp8"', '"USER_QAT_HEAD", "hp"', "lm_head: scaled GEMMs observed 3 -> 0"
+            ),
+        },
+    ),
 }
 ALL_CLIENTS = {**CLIENTS, **FAKE_QUANTIZATION_CLIENTS}
 ROWS = [(client, change) for client, c in ALL_CLIENTS.items() for change in c.changes]
@@ -128,19 +183,31 @@ def user_environment(repo: Path) -> dict[str, str]:
     """The user's shell: their project importable; nothing of this pytest session (xdist's worker
     variables would tell the inner pytest it is a worker)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_", "OWN_STACK"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), str(SUITE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(repo), str(SUITE_ROOT), os.environ.get("PYTHONPATH")) if p
+    )
     return env
 
 
 def suite(repo: Path, *args: str) -> subprocess.CompletedProcess:
     """`precision-suite ARGS` typed in `repo`: a fresh interpreter, the checkout's code imported anew."""
-    return subprocess.run([sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())",
-                           *args], cwd=repo, env=user_environment(repo), capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())", *args],
+        cwd=repo,
+        env=user_environment(repo),
+        capture_output=True,
+        text=True,
+    )
 
 
 def user_pytest(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args],
-                          cwd=repo, env=user_environment(repo), capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args],
+        cwd=repo,
+        env=user_environment(repo),
+        capture_output=True,
+        text=True,
+    )
 
 
 def branch_name(change: str) -> str:
@@ -160,7 +227,8 @@ def build(client: Client, repo: Path) -> None:
     (repo / "pytest.ini").write_text("[pytest]\n")  # the rootdir the plugin imports the project from
     (repo / "test_precision.py").write_text(
         "from precision_suite import RunSpec\n\n\n"
-        f"def test_model(precision_check):\n    precision_check(RunSpec(**{client.fields!r}))\n")
+        f"def test_model(precision_check):\n    precision_check(RunSpec(**{client.fields!r}))\n"
+    )
     (repo / ".gitignore").write_text("__pycache__/\nbaselines/\nreports/\n")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", f"a model quantized by its own code ({client.module})")
@@ -180,16 +248,22 @@ def build(client: Client, repo: Path) -> None:
 
 def project(tmp_path_factory: pytest.TempPathFactory, client: str) -> Path:
     """The client's repository, built once per test run (the rows write only their own reports)."""
-    folder = built_once(tmp_path_factory, f"own-stack-{branch_name(client)}",
-                        lambda folder: build(ALL_CLIENTS[client], folder / "project"))
+    folder = built_once(
+        tmp_path_factory,
+        f"own-stack-{branch_name(client)}",
+        lambda folder: build(ALL_CLIENTS[client], folder / "project"),
+    )
     return folder / "project"
 
 
 def messages(summary: object) -> list[str]:
     """Every finding's message in a summary.json, in order."""
     if isinstance(summary, dict):
-        return [m for key, value in summary.items()
-                for m in ([value] if key == "message" and isinstance(value, str) else messages(value))]
+        return [
+            m
+            for key, value in summary.items()
+            for m in ([value] if key == "message" and isinstance(value, str) else messages(value))
+        ]
     if isinstance(summary, list):
         return [m for value in summary for m in messages(value)]
     return []
@@ -219,20 +293,43 @@ def gates(client: Client, repo: Path, branch: str, named: str | None) -> list[Ga
     worktree = repo.parent / "branches" / branch
     baselines = str(repo / "baselines")
     reports = repo.parent / "reports" / branch
-    diffs = {"diff": ["--baseline-dir", baselines], "diff --strict": ["--baseline-dir", baselines, "--strict"]}
+    diffs = {
+        "diff": ["--baseline-dir", baselines],
+        "diff --strict": ["--baseline-dir", baselines, "--strict"],
+    }
     if branch in map(branch_name, client.no_baseline_gate):
         diffs["diff, no baseline"] = ["--baseline-dir", "no-baselines"]
-    commands = [("run", worktree, ["run", "--config", "cases.toml", "--baseline-dir", baselines]),
-                *((name, repo, ["diff", "base", branch, "--config", "cases.toml", *options])
-                  for name, options in diffs.items())]
-    out = [command_gate(name, where, [*argv, "--report-dir", str(reports / branch_name(name))], named)
-           for name, where, argv in commands]
+    commands = [
+        ("run", worktree, ["run", "--config", "cases.toml", "--baseline-dir", baselines]),
+        *(
+            (name, repo, ["diff", "base", branch, "--config", "cases.toml", *options])
+            for name, options in diffs.items()
+        ),
+    ]
+    out = [
+        command_gate(name, where, [*argv, "--report-dir", str(reports / branch_name(name))], named)
+        for name, where, argv in commands
+    ]
     started = time.perf_counter()
-    done = user_pytest(worktree, "-q", "test_precision.py", "--precision-baseline-dir", baselines,
-                       "--precision-report-dir", str(reports / "plugin"))
+    done = user_pytest(
+        worktree,
+        "-q",
+        "test_precision.py",
+        "--precision-baseline-dir",
+        baselines,
+        "--precision-report-dir",
+        str(reports / "plugin"),
+    )
     failures = [line for line in done.stdout.splitlines() if "] " in line]  # "  [regression] ..."
-    out.append(Gate("plugin", done.returncode, done.stdout + done.stderr[-3000:],
-                    finding_of(named, failures) or last_line(done.stdout), time.perf_counter() - started))
+    out.append(
+        Gate(
+            "plugin",
+            done.returncode,
+            done.stdout + done.stderr[-3000:],
+            finding_of(named, failures) or last_line(done.stdout),
+            time.perf_counter() - started,
+        )
+    )
     return out
 
 
@@ -244,8 +341,11 @@ def command_gate(name: str, where: Path, argv: list[str], named: str | None) -> 
     found = messages(summary)
     text = "\n".join([done.stdout, done.stderr[-3000:], *found])
     identical = [line for line in done.stdout.splitlines() if "bitwise identical" in line]
-    finding = (finding_of(named, found) or finding_of(None, identical)
-               or (f"{summary['overall']}: no finding" if summary else last_line(done.stderr)))
+    finding = (
+        finding_of(named, found)
+        or finding_of(None, identical)
+        or (f"{summary['overall']}: no finding" if summary else last_line(done.stderr))
+    )
     gate = Gate(name, done.returncode, text, finding, time.perf_counter() - started)
     return gate
 
@@ -254,13 +354,16 @@ def table_lines(client: str, change: str, results: list[Gate]) -> list[str]:
     def shown(gate: Gate) -> str:
         return gate.finding.replace("|", "/")
 
-    return [f"| {client} | {change} | {g.name} | {g.status} | {g.seconds:.0f} | {shown(g)} |" for g in results]
+    return [
+        f"| {client} | {change} | {g.name} | {g.status} | {g.seconds:.0f} | {shown(g)} |" for g in results
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("client", "change"), ROWS, ids=[f"{c}-{branch_name(ch)}" for c, ch in ROWS])
-def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_module(tmp_path_factory, client,
-                                                                                   change):
+def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_module(
+    tmp_path_factory, client, change
+):
     spec = ALL_CLIENTS[client].changes[change]
     results = gates(ALL_CLIENTS[client], project(tmp_path_factory, client), branch_name(change), spec.named)
     lines = table_lines(client, change, results)
@@ -271,10 +374,15 @@ def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_mod
     shown = "\n".join(lines)
     expected = 0 if spec.passes else 1
     # the plugin reports a failed test as pytest's exit status 1 too
-    assert [g.status for g in results] == [expected] * len(results), shown + "\n\n" + "\n\n".join(
-        f"--- {g.name}\n{g.text[-2500:]}" for g in results if g.status != expected)
+    assert [g.status for g in results] == [expected] * len(results), (
+        shown
+        + "\n\n"
+        + "\n\n".join(f"--- {g.name}\n{g.text[-2500:]}" for g in results if g.status != expected)
+    )
     for gate in results:
-        assert spec.named in gate.text, f"{gate.name} does not name {spec.named!r}\n{shown}\n{gate.text[-2500:]}"
+        assert spec.named in gate.text, (
+            f"{gate.name} does not name {spec.named!r}\n{shown}\n{gate.text[-2500:]}"
+        )
         assert "Traceback" not in gate.text, f"{gate.name}\n{gate.text[-3000:]}"
     by_name = {g.name: g for g in results}
     if spec.passes:  # the same numbers, bit for bit: diff says so
@@ -286,10 +394,14 @@ def test_each_change_of_the_clients_own_numerics_fails_every_gate_naming_the_mod
 
 
 def test_a_recipe_over_the_models_own_quantization_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    (tmp_path / "cases.toml").write_text('[[case]]\nmodel = "user_torchao:build"\nbatches = "user_torchao:batches"\n'
-                                         'recipe = "fp8-hybrid"\nsteps = 1\n')
+    (tmp_path / "cases.toml").write_text(
+        '[[case]]\nmodel = "user_torchao:build"\nbatches = "user_torchao:batches"\n'
+        'recipe = "fp8-hybrid"\nsteps = 1\n'
+    )
     monkeypatch.chdir(tmp_path)
-    status = cli.main(["baseline", "update", "--config", "cases.toml", "--baseline-dir", "b", "--workers", "1"])
+    status = cli.main(
+        ["baseline", "update", "--config", "cases.toml", "--baseline-dir", "b", "--workers", "1"]
+    )
     err = capsys.readouterr().err
     assert status == 2 and not (tmp_path / "b").exists()
     assert "would replace the quantization the model's own code does: blocks.0.fc1 is a Float8Linear" in err

@@ -118,8 +118,9 @@ def in_fresh_python(pytester: pytest.Pytester, code: str) -> str:
     and pytester's fixture drops every module first imported during its test when it tears down,
     which breaks C extensions and lazily imported packages (transformers) for the tests after it.
     """
-    result = pytester.run(sys.executable, "-c",
-                          f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r})\n" + textwrap.dedent(code))
+    result = pytester.run(
+        sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r})\n" + textwrap.dedent(code)
+    )
     assert result.ret == 0, result.stderr.str()
     return result.stdout.str()
 
@@ -149,9 +150,16 @@ def is_png(path: Path | str) -> bool:
 
 def test_options_ini_keys_and_markers_are_registered(pytester):
     help_text = pytester.runpytest_subprocess("--help").stdout.str()
-    for option in ("--precision-regen", "--precision-baseline-dir", "--precision-report-dir",
-                   "--precision-device", "--precision-seed", "precision_baseline_dir",
-                   "precision_report_dir", "precision_device"):
+    for option in (
+        "--precision-regen",
+        "--precision-baseline-dir",
+        "--precision-report-dir",
+        "--precision-device",
+        "--precision-seed",
+        "precision_baseline_dir",
+        "precision_report_dir",
+        "precision_device",
+    ):
         assert option in help_text
     markers = pytester.runpytest_subprocess("--markers").stdout.str()
     assert "@pytest.mark.precision:" in markers and "@pytest.mark.slow:" in markers
@@ -172,25 +180,42 @@ def test_bad_device_is_a_usage_error(pytester):
 def test_report_header_names_the_loaded_config_or_says_none(pytester):
     pyproject = pytester.path / "pyproject.toml"
     result = pytester.runpytest_subprocess()
-    result.stdout.fnmatch_lines([f"precision-suite: no {pyproject} *no project rules or tolerance overrides apply"])
+    result.stdout.fnmatch_lines(
+        [f"precision-suite: no {pyproject} *no project rules or tolerance overrides apply"]
+    )
 
-    pytester.makepyprojecttoml('[tool.precision_suite]\nrules = ["underflow <= 1e-3", "overflow <= 0"]\n'
-                               "[tool.precision_suite.tolerances]\nunderflow = 0.1\n")
+    pytester.makepyprojecttoml(
+        '[tool.precision_suite]\nrules = ["underflow <= 1e-3", "overflow <= 0"]\n'
+        "[tool.precision_suite.tolerances]\nunderflow = 0.1\n"
+    )
     result = pytester.runpytest_subprocess()
-    result.stdout.fnmatch_lines([f"precision-suite: 2 rule(s), 1 tolerance override(s) from {pyproject}*",
-                                 "precision-suite: *designed false-alarm rate <= 0.001 per case.",
-                                 "precision-suite: Not measured on these baselines yet*calibrate*"])
+    result.stdout.fnmatch_lines(
+        [
+            f"precision-suite: 2 rule(s), 1 tolerance override(s) from {pyproject}*",
+            "precision-suite: *designed false-alarm rate <= 0.001 per case.",
+            "precision-suite: Not measured on these baselines yet*calibrate*",
+        ]
+    )
     assert "no project rules" not in result.stdout.str()
 
-    measured = {"created": "2026-12-03", "fingerprint": {"cpu_capability": "AVX512"}, "runs": 90,
-                "runs_with_alarms": 0, "perturbations": ["threads=2", "seed 100"]}
+    measured = {
+        "created": "2026-12-03",
+        "fingerprint": {"cpu_capability": "AVX512"},
+        "runs": 90,
+        "runs_with_alarms": 0,
+        "perturbations": ["threads=2", "seed 100"],
+    }
     files.write_json(measured, alarm_statement.measured_path(pytester.path / "baselines"))
-    pytester.runpytest_subprocess().stdout.fnmatch_lines([
-        "precision-suite: Measured by `precision-suite calibrate` on 2026-12-03 (AVX512, ?): 0 of 90 "
-        "perturbed runs with a false alarm (threads=2, seed 100)."])
+    pytester.runpytest_subprocess().stdout.fnmatch_lines(
+        [
+            "precision-suite: Measured by `precision-suite calibrate` on 2026-12-03 (AVX512, ?): 0 of 90 "
+            "perturbed runs with a false alarm (threads=2, seed 100)."
+        ]
+    )
     alarm_statement.measured_path(pytester.path / "baselines").write_text("{not json")
-    pytester.runpytest_subprocess().stdout.fnmatch_lines(["precision-suite: *calibration.json is unreadable*"
-                                               "rewrite it with `precision-suite calibrate`"])
+    pytester.runpytest_subprocess().stdout.fnmatch_lines(
+        ["precision-suite: *calibration.json is unreadable*rewrite it with `precision-suite calibrate`"]
+    )
 
 
 # --------------------------------------------------------------------------- baselines
@@ -200,19 +225,28 @@ def test_missing_baseline_regen_then_pass(inner):
     make_check(inner)
     first = inner.runpytest_subprocess()
     first.assert_outcomes(failed=1)
-    first.stdout.fnmatch_lines([f"*no baseline*create it with: pytest '{NODE}' --precision-regen"
-                                f"*precision-suite baseline update --case '{CASE}'*"])
+    first.stdout.fnmatch_lines(
+        [
+            f"*no baseline*create it with: pytest '{NODE}' --precision-regen"
+            f"*precision-suite baseline update --case '{CASE}'*"
+        ]
+    )
 
     regen = inner.runpytest_subprocess("--precision-regen")
     regen.assert_outcomes(passed=1)
     path = baseline_path(inner.path / "baselines", CASE)
     assert path.is_file()
     regen.stdout.fnmatch_lines(["*precision-suite*", f"baseline written  {path}"])
-    seeds, has_tolerance = json.loads(in_fresh_python(inner, f"""
+    seeds, has_tolerance = json.loads(
+        in_fresh_python(
+            inner,
+            f"""
         import json, xarray as xr
         ensemble = xr.load_dataset({str(path)!r}, engine="h5netcdf")
         print(json.dumps([[int(s) for s in ensemble["seed"].values], "first_step_tolerance" in ensemble.attrs]))
-    """))
+    """,
+        )
+    )
     assert seeds == [0, 1, 2, 3] and has_tolerance
 
     inner.runpytest_subprocess().assert_outcomes(passed=1)
@@ -231,7 +265,9 @@ def test_a_check_replays_its_stored_state_and_a_missing_replay_is_an_error(inner
     stored.unlink()
     missing = inner.runpytest_subprocess()
     missing.assert_outcomes(failed=1)
-    missing.stdout.fnmatch_lines([f"*no baseline {stored}*create it with: pytest '{NODE}' --precision-regen*"])
+    missing.stdout.fnmatch_lines(
+        [f"*no baseline {stored}*create it with: pytest '{NODE}' --precision-regen*"]
+    )
 
 
 def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, monkeypatch):
@@ -243,10 +279,15 @@ def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, mon
     monkeypatch.setenv(PLANT_ENV, "regression")
     result = inner.runpytest_subprocess("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*precision check of {CASE}: FAIL*",
-                                 f"*[[]regression[]] {CASE}: underflow regressed at layer 2, "
-                                 "tensor gradient_transpose, layout 128x1*",
-                                 "*precision-suite*", f"FAIL*{CASE}*({NODE})"])
+    result.stdout.fnmatch_lines(
+        [
+            f"*precision check of {CASE}: FAIL*",
+            f"*[[]regression[]] {CASE}: underflow regressed at layer 2, "
+            "tensor gradient_transpose, layout 128x1*",
+            "*precision-suite*",
+            f"FAIL*{CASE}*({NODE})",
+        ]
+    )
     props = junit_properties(inner.path / "junit.xml")
     assert props["precision_status"] == ["fail"] and props["precision_case"] == [CASE]
     (chart,) = props["precision_chart"]
@@ -263,7 +304,8 @@ def test_planted_regression_fails_with_a_chart_and_keeps_the_baseline(inner, mon
 
 
 def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
-    inner.makepyfile(test_inner_two="""
+    inner.makepyfile(
+        test_inner_two="""
         from precision_suite.training.runs import RunSpec
 
         def test_one(precision_check):
@@ -271,7 +313,8 @@ def test_two_tests_of_one_case_write_two_charts(inner, monkeypatch):
 
         def test_two(precision_check):
             precision_check(RunSpec(model="vit"))
-    """)
+    """
+    )
     inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=2)
     monkeypatch.setenv(PLANT_ENV, "regression")
     result = inner.runpytest_subprocess("--junitxml=j.xml")
@@ -300,31 +343,40 @@ def test_spec_change_is_another_case_with_a_hint_that_works(inner):
     result = inner.runpytest_subprocess()
     result.assert_outcomes(failed=1)
     case = case_id(RunSpec(model="vit", steps=30))
-    result.stdout.fnmatch_lines([f"*[[]error[]]*no baseline*{case}.nc; create it with: pytest '{NODE}' --precision-regen"])
+    result.stdout.fnmatch_lines(
+        [f"*[[]error[]]*no baseline*{case}.nc; create it with: pytest '{NODE}' --precision-regen"]
+    )
     # the CLI cannot make a case outside its matrix from --case alone: not suggested
     assert "precision-suite baseline update --case" not in result.stdout.str()
 
 
 def test_an_old_single_run_baseline_says_so_and_how_to_regenerate(inner):
     make_check(inner)
-    in_fresh_python(inner, f"""
+    in_fresh_python(
+        inner,
+        f"""
         from precision_suite.verdicts.baseline_files import baseline_path, save_baseline
         from precision_suite.training.runs import RunSpec
         from synthetic_data import make_run_dataset
         old = make_run_dataset(depth=3, steps=20, sample_every=10)
         old.attrs.update(case={CASE!r}, spec=RunSpec(model="vit").to_json())
         save_baseline(old, baseline_path("baselines", {CASE!r}))
-    """)
+    """,
+    )
     result = inner.runpytest_subprocess()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*[[]error[]]*single run, not a seed ensemble*recreate it with: "
-                                 f"pytest '{NODE}' --precision-regen*"])
+    result.stdout.fnmatch_lines(
+        [f"*[[]error[]]*single run, not a seed ensemble*recreate it with: pytest '{NODE}' --precision-regen*"]
+    )
 
 
 def test_precision_seed_runs_that_seed_against_the_ensemble(inner, monkeypatch):
     make_check(inner)
     inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
-    assert sorted(set(trained_seeds(inner))) == [*ENSEMBLE_SEEDS, *MEAN_Z_HELD_OUT_SEEDS]  # and held-out seeds
+    assert sorted(set(trained_seeds(inner))) == [
+        *ENSEMBLE_SEEDS,
+        *MEAN_Z_HELD_OUT_SEEDS,
+    ]  # and held-out seeds
     (inner.path / "trained.jsonl").unlink()
 
     inner.runpytest_subprocess("--precision-seed", "7").assert_outcomes(passed=1)
@@ -341,13 +393,17 @@ def test_dirs_from_ini_and_command_line(inner, monkeypatch):
     make_check(inner)
     inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     assert baseline_path(inner.path / "golden", CASE).is_file()
-    inner.runpytest_subprocess("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(passed=1)
+    inner.runpytest_subprocess("--precision-regen", "--precision-baseline-dir", "other").assert_outcomes(
+        passed=1
+    )
     assert baseline_path(inner.path / "other", CASE).is_file()
     monkeypatch.setenv(PLANT_ENV, "regression")
     inner.runpytest_subprocess("--junitxml=j.xml").assert_outcomes(failed=1)
     (chart,) = junit_properties(inner.path / "j.xml")["precision_chart"]
     assert chart == str(chart_of(inner, NODE, "out"))
-    inner.runpytest_subprocess("--junitxml=k.xml", "--precision-report-dir", "elsewhere").assert_outcomes(failed=1)
+    inner.runpytest_subprocess("--junitxml=k.xml", "--precision-report-dir", "elsewhere").assert_outcomes(
+        failed=1
+    )
     (chart,) = junit_properties(inner.path / "k.xml")["precision_chart"]
     assert chart == str(chart_of(inner, NODE, "elsewhere"))
 
@@ -356,25 +412,35 @@ def test_dirs_from_ini_and_command_line(inner, monkeypatch):
 
 
 def test_project_rules_and_call_rules_are_checked(inner):
-    inner.makepyprojecttoml('[tool.precision_suite]\nrules = ["attention_norm <= sqrt(N) @ attention=softmax"]\n')
+    inner.makepyprojecttoml(
+        '[tool.precision_suite]\nrules = ["attention_norm <= sqrt(N) @ attention=softmax"]\n'
+    )
     make_check(inner)
     result = inner.runpytest_subprocess("--precision-regen")  # the synthetic norms grow far past sqrt(N)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*[[]error[]]*baseline*not written: a run that breaks its rules is not golden",
-                                 "*[[]threshold[]]*rule 'attention_norm <= sqrt(N) @ attention=softmax' violated at layer 0*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*[[]error[]]*baseline*not written: a run that breaks its rules is not golden",
+            "*[[]threshold[]]*rule 'attention_norm <= sqrt(N) @ attention=softmax' violated at layer 0*",
+        ]
+    )
     assert not baseline_path(inner.path / "baselines", CASE).exists()
 
     inner.makepyprojecttoml("[tool.precision_suite]\nrules = []\n")
     make_check(inner, args=', rules=["growth(attention_norm) <= 2 @ layer=2"]')
     result = inner.runpytest_subprocess("--precision-regen")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*rule 'growth(attention_norm) <= 2 @ layer=2' violated at layer 2, step 19*"])
+    result.stdout.fnmatch_lines(
+        ["*rule 'growth(attention_norm) <= 2 @ layer=2' violated at layer 2, step 19*"]
+    )
 
 
 def test_a_known_violation_passes_as_known_but_never_excuses_another_rule_or_a_regression(inner, monkeypatch):
     known = 'known_violation=KnownViolation("norms start at 2, issue #7", rule="attention_norm <= 1")'
     make_check(inner, args=f', rules=["attention_norm <= 1"], {known}')
-    inner.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)  # known: the baseline is written
+    inner.runpytest_subprocess("--precision-regen").assert_outcomes(
+        passed=1
+    )  # known: the baseline is written
     assert baseline_path(inner.path / "baselines", CASE).is_file()
     result = inner.runpytest_subprocess("--junitxml=j.xml")
     result.assert_outcomes(passed=1)
@@ -393,13 +459,17 @@ def test_a_known_violation_passes_as_known_but_never_excuses_another_rule_or_a_r
 
 def test_bad_rules_tolerances_and_config_fail_readably(inner):
     make_check(inner, args=', rules=["underflow < 1"]')
-    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: rule 1 ('underflow < 1')*"])
+    inner.runpytest_subprocess().stdout.fnmatch_lines(
+        ["*precision check configuration: rule 1 ('underflow < 1')*"]
+    )
     make_check(inner, args=', known_violation="a reason alone"')
-    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: known violation "
-                                                       "'a reason alone' does not name what it excuses*"])
+    inner.runpytest_subprocess().stdout.fnmatch_lines(
+        ["*precision check configuration: known violation 'a reason alone' does not name what it excuses*"]
+    )
     make_check(inner, args=', tolerances={"no_such_metric": 1.0}')
-    inner.runpytest_subprocess().stdout.fnmatch_lines(["*precision check configuration: metric 'no_such_metric' "
-                                            "has no default tolerance*"])
+    inner.runpytest_subprocess().stdout.fnmatch_lines(
+        ["*precision check configuration: metric 'no_such_metric' has no default tolerance*"]
+    )
     inner.makepyprojecttoml("[tool.precision_suite]\nrulez = []\n")
     make_check(inner)
     result = inner.runpytest_subprocess()
@@ -408,12 +478,14 @@ def test_bad_rules_tolerances_and_config_fail_readably(inner):
 
 
 def test_a_dataset_under_regen_is_a_clear_error(inner):
-    inner.makepyfile(test_inner_case="""
+    inner.makepyfile(
+        test_inner_case="""
         from synthetic_data import make_run_dataset
 
         def test_case(precision_check):
             precision_check(make_run_dataset(depth=3, steps=20, sample_every=10))
-    """)
+    """
+    )
     result = inner.runpytest_subprocess("--precision-regen")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]error[]]*--precision-regen needs a RunSpec*not a dataset*"])
@@ -436,7 +508,9 @@ def vit(attention="softmax"):
 
 
 def test_precision_run_runs_each_spec_once_per_session(inner):
-    inner.makepyfile(test_inner_runs=VIT + """
+    inner.makepyfile(
+        test_inner_runs=VIT
+        + """
 def test_a(precision_run):
     assert precision_run(vit()).attrs["case"] == "vit-softmax-fp32"
 
@@ -444,7 +518,8 @@ def test_b(precision_run):
     assert precision_run(vit()) is precision_run(vit())
     assert precision_run(dict(model="vit", attention="softmax")) is precision_run(vit())
     assert precision_run(vit("x/1")).attrs["case"] == "vit-x-1-fp32"
-""")
+"""
+    )
     inner.runpytest_subprocess("--precision-device", "cpu").assert_outcomes(passed=2)
     trained = [json.loads(line) for line in (inner.path / "trained.jsonl").read_text().splitlines()]
     assert trained == [json.loads(vit(attention, "cpu").to_json()) for attention in ("softmax", "x/1")]
@@ -462,14 +537,21 @@ def refuse(spec, progress=None):
 def bad_training(monkeypatch):
     monkeypatch.setattr(runs, "run", refuse)
 """)
-    pytester.makepyfile(test_inner_bad=VIT + """
+    pytester.makepyfile(
+        test_inner_bad=VIT
+        + """
 def test_bad(precision_check):
     precision_check(vit("nope"))
-""")
+"""
+    )
     result = pytester.runpytest_subprocess("--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["precision run of RunSpec(model='vit', attention='nope'*): "
-                                 "unknown attention 'nope'; known: softmax, x/1"])
+    result.stdout.fnmatch_lines(
+        [
+            "precision run of RunSpec(model='vit', attention='nope'*): "
+            "unknown attention 'nope'; known: softmax, x/1"
+        ]
+    )
     assert "Traceback" not in result.stdout.str() and "During handling" not in result.stdout.str()
     # a check that could not be made still tells CI its case and status
     props = junit_properties(pytester.path / "junit.xml")
@@ -478,14 +560,16 @@ def test_bad(precision_check):
 
 @pytest.mark.slow
 def test_xdist_workers_report_charts_to_the_controller(inner, monkeypatch):
-    inner.makepyfile(test_inner_cases="""
+    inner.makepyfile(
+        test_inner_cases="""
         import pytest
         from precision_suite.training.runs import RunSpec
 
         @pytest.mark.parametrize("attention", ["x/1", "x^3/1"])
         def test_case(precision_check, attention):
             precision_check(RunSpec(model="vit", attention=attention))
-    """)
+    """
+    )
     inner.runpytest_subprocess("-n", "2", "--precision-regen").assert_outcomes(passed=2)
     monkeypatch.setenv(PLANT_ENV, "regression")  # the workers inherit the environment
     result = inner.runpytest_subprocess("-n", "2", "--junitxml=j.xml")
@@ -502,17 +586,28 @@ def test_a_session_imports_the_users_package_from_the_rootdir(pytester, monkeypa
     that --precision-regen trains."""
     shutil.copy(TESTS_DIR / "user_code.py", pytester.mkpydir("mypkg") / "model.py")
     pytester.makeini("[pytest]\n")  # the rootdir
-    fields = dict(name="tiny-gpt", model="mypkg.model:build", batches="mypkg.model:batches",
-                  modules=["h.0.*", "lm_head"], steps=4, sample_every=2, width=32)
+    fields = dict(
+        name="tiny-gpt",
+        model="mypkg.model:build",
+        batches="mypkg.model:batches",
+        modules=["h.0.*", "lm_head"],
+        steps=4,
+        sample_every=2,
+        width=32,
+    )
     (pytester.mkdir("tests") / "test_model.py").write_text(
         "from precision_suite import RunSpec\n\n"
-        f"def test_tiny_gpt(precision_check):\n    precision_check(RunSpec(**{fields!r}))\n")
+        f"def test_tiny_gpt(precision_check):\n    precision_check(RunSpec(**{fields!r}))\n"
+    )
     monkeypatch.chdir(pytester.path / "tests")  # pytester puts the current directory on PYTHONPATH
     monkeypatch.delenv("PYTHONPATH", raising=False)
     pytester.runpytest_subprocess("--precision-regen").assert_outcomes(passed=1)
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
     case = case_id(RunSpec(**fields))
-    assert in_fresh_python(pytester, f"""
+    assert in_fresh_python(
+        pytester,
+        f"""
         from precision_suite.files import load_dataset
         print(load_dataset({str(pytester.path / "baselines" / f"{case}.nc")!r}).module.values.tolist())
-    """).strip() == str(["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2", "lm_head"])
+    """,
+    ).strip() == str(["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.0", "h.0.mlp.2", "lm_head"])

@@ -53,10 +53,21 @@ def test_fp8_block_recipe_quantizes_each_gemm_operand_with_its_layout():
 @pytest.mark.parametrize(
     ("name", "labels"),
     [
-        ("fp8-block", {"activation": "1x128", "gradient": "1x128", "gradient_transpose": "128x1", "weight": "128x128"}),
+        (
+            "fp8-block",
+            {"activation": "1x128", "gradient": "1x128", "gradient_transpose": "128x1", "weight": "128x128"},
+        ),
         ("mxfp8", dict.fromkeys(probes.TENSOR_ROLES, "mxfp8")),
         ("e4m3:tensor", dict.fromkeys(probes.TENSOR_ROLES, "tensor")),
-        ("e5m2:1x64", {"activation": "e5m2:1x64", "gradient": "e5m2:1x64", "gradient_transpose": "e5m2:64x1", "weight": "e5m2:1x64"}),
+        (
+            "e5m2:1x64",
+            {
+                "activation": "e5m2:1x64",
+                "gradient": "e5m2:1x64",
+                "gradient_transpose": "e5m2:64x1",
+                "weight": "e5m2:1x64",
+            },
+        ),
     ],
 )
 def test_scheme_labels(name, labels):
@@ -85,7 +96,9 @@ def test_blocks_bigger_than_a_tensor_are_rejected():
 def test_bf16_recipe_rounds_operands_to_bfloat16():
     layer, x, _ = linear_with_inputs(recipe=get_scheme("bf16:tensor"))
     y = layer(x).detach()
-    expected = F.linear(x.detach().bfloat16().float(), layer.weight.detach().bfloat16().float(), layer.bias.detach())
+    expected = F.linear(
+        x.detach().bfloat16().float(), layer.weight.detach().bfloat16().float(), layer.bias.detach()
+    )
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 

@@ -15,7 +15,12 @@ from precision_suite.numerics.layouts import as_2d, to_blocks
 from test_oracle import all_finite_values
 
 SETTINGS = settings(max_examples=60, deadline=None)
-ELEMENT_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml_dtypes.float4_e2m1fn, "bf16": ml_dtypes.bfloat16}
+ELEMENT_DTYPES = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e2m1": ml_dtypes.float4_e2m1fn,
+    "bf16": ml_dtypes.bfloat16,
+}
 
 
 @st.composite
@@ -76,7 +81,11 @@ def test_sign_symmetry_and_zero_stays_zero(case):
 
 
 @SETTINGS
-@given(case=cases(formats=("e4m3", "e5m2", "mxfp8"), min_log2=-60, max_log2=60), k=st.integers(-20, 20), data=st.data())
+@given(
+    case=cases(formats=("e4m3", "e5m2", "mxfp8"), min_log2=-60, max_log2=60),
+    k=st.integers(-20, 20),
+    data=st.data(),
+)
 def test_power_of_two_times_a_block_scales_its_output_exactly(case, k, data):
     """Per-block formats: multiply one block by 2**k; its output is the old output times 2**k.
 
@@ -101,7 +110,9 @@ def test_power_of_two_times_a_block_scales_its_output_exactly(case, k, data):
 def test_nvfp4_power_of_two_times_the_tensor_scales_exactly(case, k):
     """NVFP4's FP32 tensor scale couples blocks, so its law is stated for the whole tensor."""
     x, fmt, layout = case
-    assert torch.equal(quantize(x * 2.0**k, fmt, layout).dequantized, quantize(x, fmt, layout).dequantized * 2.0**k)
+    assert torch.equal(
+        quantize(x * 2.0**k, fmt, layout).dequantized, quantize(x, fmt, layout).dequantized * 2.0**k
+    )
 
 
 @SETTINGS
@@ -125,8 +136,10 @@ def test_blocks_are_independent(case, data):
 
 
 @SETTINGS
-@given(x=pst.tensors(shape=pst.shapes(max_rows=300, max_cols=300, max_rank=2)),
-       fmt_block=st.sampled_from([("e4m3", 128), ("e5m2", 128), ("mxfp8", 32), ("nvfp4", 16)]))
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=300, max_cols=300, max_rank=2)),
+    fmt_block=st.sampled_from([("e4m3", 128), ("e5m2", 128), ("mxfp8", 32), ("nvfp4", 16)]),
+)
 def test_column_tiles_are_row_tiles_of_the_transpose(x, fmt_block):
     fmt, b = fmt_block
     col = quantize(x, fmt, (b, 1))
@@ -136,7 +149,10 @@ def test_column_tiles_are_row_tiles_of_the_transpose(x, fmt_block):
 
 
 @SETTINGS
-@given(case=cases(formats=("e4m3", "e5m2", "mxfp8", "nvfp4", "bf16")), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+@given(
+    case=cases(formats=("e4m3", "e5m2", "mxfp8", "nvfp4", "bf16")),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+)
 def test_output_keeps_shape_and_dtype(case, dtype):
     x, fmt, layout = case
     q = quantize(x.to(dtype), fmt, layout)
@@ -191,14 +207,21 @@ def test_layout_strings_and_defaults():
     assert parse_layout("128x1") == (128, 1)
     assert parse_layout(None, "mxfp8") == (1, 32)
     assert parse_layout(None, "e4m3") == (1, 128)
-    assert [layout_label("e4m3", (1, 128)), layout_label("e4m3", (128, 1)), layout_label("mxfp8", (32, 1)),
-            layout_label("e5m2", "tensor")] == ["1x128", "128x1", "mxfp8", "e5m2:tensor"]
+    assert [
+        layout_label("e4m3", (1, 128)),
+        layout_label("e4m3", (128, 1)),
+        layout_label("mxfp8", (32, 1)),
+        layout_label("e5m2", "tensor"),
+    ] == ["1x128", "128x1", "mxfp8", "e5m2:tensor"]
 
 
 @SETTINGS
-@given(x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=100, max_rank=2)), fmt=st.sampled_from(["e4m3", "e5m2"]))
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=100, max_rank=2)),
+    fmt=st.sampled_from(["e4m3", "e5m2"]),
+)
 def test_row_and_column_layouts_are_blocks_spanning_the_whole_axis(x, fmt):
-    """"row" is one scale per row: the block (1, columns) of this tensor; "column" is (rows, 1)."""
+    """ "row" is one scale per row: the block (1, columns) of this tensor; "column" is (rows, 1)."""
     rows, cols = as_2d(x).shape
     for word, block in (("row", (1, cols)), ("column", (rows, 1))):
         q, by_block = quantize(x, fmt, word), quantize(x, fmt, block)

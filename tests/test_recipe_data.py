@@ -23,9 +23,11 @@ from precision_suite.verdicts.judge import judge_case
 from precision_suite.verdicts.observed import check_recipes
 from test_diff import MODEL, git
 
-RECIPE = {"fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
-          "dgrad": {"a": "e5m2:tensor", "b": "e4m3:tensor", "accumulate": "hopper-promoted:128"},
-          "wgrad": {"a": "e5m2:tensor", "b": "e4m3:tensor", "accumulate": "hopper-promoted:128"}}
+RECIPE = {
+    "fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
+    "dgrad": {"a": "e5m2:tensor", "b": "e4m3:tensor", "accumulate": "hopper-promoted:128"},
+    "wgrad": {"a": "e5m2:tensor", "b": "e4m3:tensor", "accumulate": "hopper-promoted:128"},
+}
 MODULES = ["0", "2"]  # the two linears of the model below
 
 
@@ -49,10 +51,19 @@ def trained(gemm: str = "", field: str = "", value: str = "", seed: int = 0):
 def test_the_recipe_each_module_trained_with_is_in_the_dataset():
     ds = trained()
     for module in MODULES:
-        assert [str(v) for v in ds["recipe_operand"].sel(module=module).values] == \
-            ["e4m3:tensor", "e4m3:tensor", "e5m2:tensor", "e4m3:tensor", "e5m2:tensor", "e4m3:tensor"]
-        assert [str(v) for v in ds["recipe_accumulation"].sel(module=module).values] == \
-            ["hopper-fast", "hopper-promoted:128", "hopper-promoted:128"]
+        assert [str(v) for v in ds["recipe_operand"].sel(module=module).values] == [
+            "e4m3:tensor",
+            "e4m3:tensor",
+            "e5m2:tensor",
+            "e4m3:tensor",
+            "e5m2:tensor",
+            "e4m3:tensor",
+        ]
+        assert [str(v) for v in ds["recipe_accumulation"].sel(module=module).values] == [
+            "hopper-fast",
+            "hopper-promoted:128",
+            "hopper-promoted:128",
+        ]
     # a model without a recipe of the suite's records none
     model = nn.Sequential(nn.Linear(128, 128))
     rec = instrument(model, attention=None)
@@ -66,12 +77,16 @@ def test_a_change_of_a_gemms_accumulation_or_of_an_operands_format_is_a_finding_
     assert check_recipes(trained(), base) == []  # unchanged
     [accumulation] = check_recipes(trained("dgrad", "accumulate", "hopper-promoted:256"), base)
     assert accumulation.kind == "regression" and accumulation.where == {"module": "0", "gemm": "dgrad"}
-    assert "0, 2 dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256 in the suite's recipe the run " \
-           "trained with" in accumulation.message, accumulation.message
+    assert (
+        "0, 2 dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256 in the suite's recipe the run "
+        "trained with" in accumulation.message
+    ), accumulation.message
     [operand] = check_recipes(trained("wgrad", "a", "e4m3:tensor"), base, "precision-suite baseline update")
     assert operand.where == {"module": "0", "operand": "wgrad.a"}
-    assert "0, 2 wgrad operand a: e5m2:tensor -> e4m3:tensor in the suite's recipe the run trained with; if " \
-           "intended, regenerate the reference: precision-suite baseline update" in operand.message, operand.message
+    assert (
+        "0, 2 wgrad operand a: e5m2:tensor -> e4m3:tensor in the suite's recipe the run trained with; if "
+        "intended, regenerate the reference: precision-suite baseline update" in operand.message
+    ), operand.message
 
 
 def test_a_reference_that_does_not_record_the_recipe_is_not_compared():
@@ -85,15 +100,18 @@ def test_the_engine_fails_a_recipe_change_against_a_baseline_and_passes_the_unch
     baseline = make_ensemble(members, {}, {})
     changed = judge_case(trained("dgrad", "accumulate", "hopper-promoted:256"), baseline)
     assert changed.status == "fail"
-    assert any(f.metric == "recipe_accumulation" and "dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256"
-               in f.message for f in changed.findings), [f.message for f in changed.findings]
+    assert any(
+        f.metric == "recipe_accumulation"
+        and "dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256" in f.message
+        for f in changed.findings
+    ), [f.message for f in changed.findings]
     unchanged = judge_case(members[0], baseline)
     assert not [f for f in unchanged.findings if f.metric.startswith("recipe_")], unchanged.findings
 
 
 # --------------------------------------------------------------------------- end to end: run and diff
 
-CASES = '''[recipes.my]
+CASES = """[recipes.my]
 source = "a user's recipe for Hopper"
 fprop = { a = "e4m3:tensor", b = "e4m3:tensor", accumulate = "hopper-fast" }
 dgrad = { a = "e5m2:tensor", b = "e4m3:tensor", accumulate = "hopper-promoted:128" }
@@ -106,13 +124,17 @@ recipe = "my"
 steps = 4
 sample_every = 2
 width = 32
-'''
+"""
 # branch -> (the change of the recipe table, what every gate must say)
 CHANGES = {
-    "dgrad-promoted-256": (('accumulate = "hopper-promoted:128" }\nwgrad', 'accumulate = "hopper-promoted:256" }\nwgrad'),
-                           "dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256"),
-    "wgrad-a-e4m3": (('wgrad = { a = "e5m2:tensor"', 'wgrad = { a = "e4m3:tensor"'),
-                     "wgrad operand a: e5m2:tensor -> e4m3:tensor"),
+    "dgrad-promoted-256": (
+        ('accumulate = "hopper-promoted:128" }\nwgrad', 'accumulate = "hopper-promoted:256" }\nwgrad'),
+        "dgrad accumulation: hopper-promoted:128 -> hopper-promoted:256",
+    ),
+    "wgrad-a-e4m3": (
+        ('wgrad = { a = "e5m2:tensor"', 'wgrad = { a = "e4m3:tensor"'),
+        "wgrad operand a: e5m2:tensor -> e4m3:tensor",
+    ),
 }
 
 
@@ -120,8 +142,13 @@ def suite(repo: Path, *args: str) -> subprocess.CompletedProcess:
     """`precision-suite ARGS` in a fresh interpreter in `repo`, importing the user's code from it and
     precision_suite as this process does."""
     path = os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())",
-                           *args], cwd=repo, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())", *args],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,21 +184,47 @@ def test_an_unchanged_recipe_passes_run_with_its_report(project):
 
 
 @pytest.mark.parametrize("branch", list(CHANGES))
-def test_a_change_of_the_recipe_table_fails_run_and_diff_naming_the_gemm_and_operand(project, branch, monkeypatch):
+def test_a_change_of_the_recipe_table_fails_run_and_diff_naming_the_gemm_and_operand(
+    project, branch, monkeypatch
+):
     named = CHANGES[branch][1]
     git(project, "checkout", "-q", branch)
     try:
-        judged = suite(project, "run", "--config", "cases.toml", "--workers", "1", "--charts", "none",
-                       "--report-dir", str(project / "reports" / f"run-{branch}"))
+        judged = suite(
+            project,
+            "run",
+            "--config",
+            "cases.toml",
+            "--workers",
+            "1",
+            "--charts",
+            "none",
+            "--report-dir",
+            str(project / "reports" / f"run-{branch}"),
+        )
     finally:
         git(project, "checkout", "-q", "main")
     assert judged.returncode == 1 and named in judged.stdout, judged.stdout[-3000:] + judged.stderr[-2000:]
     monkeypatch.chdir(project)
     # diff against the baseline (as run judges) and, without one, against BASE's run (once: its
     # rounding twins and clean replay cost most of this test)
-    for options in ((), ("--baseline-dir", "no-baselines"))[:2 if branch == "dgrad-promoted-256" else 1]:
+    for options in ((), ("--baseline-dir", "no-baselines"))[: 2 if branch == "dgrad-promoted-256" else 1]:
         report = project / "reports" / f"diff-{branch}-{len(options)}"
-        status = cli.main(["diff", "base", branch, "--config", "cases.toml", "--charts", "none", "--workers", "1",
-                           "--report-dir", str(report), *options])
+        status = cli.main(
+            [
+                "diff",
+                "base",
+                branch,
+                "--config",
+                "cases.toml",
+                "--charts",
+                "none",
+                "--workers",
+                "1",
+                "--report-dir",
+                str(report),
+                *options,
+            ]
+        )
         summary = (report / "summary.json").read_text()
         assert status == 1 and named in summary, summary[:3000]

@@ -51,7 +51,9 @@ def test_stochastic_rounding_lands_on_a_neighbouring_element(fmt):
     y[:8] = torch.tensor([0.0, element.max, -element.max, 1.0, -1.0, 1.5, 0.5, 3.0])  # on the grid: exact
     r = stochastic_round(y, element, torch.Generator().manual_seed(2)).double().numpy()
     below = elements[np.searchsorted(elements, y.double().numpy(), side="right") - 1]
-    above = elements[np.minimum(np.searchsorted(elements, y.double().numpy(), side="left"), len(elements) - 1)]
+    above = elements[
+        np.minimum(np.searchsorted(elements, y.double().numpy(), side="left"), len(elements) - 1)
+    ]
     assert np.isin(r, elements).all()
     assert ((r == below) | (r == above)).all()
     np.testing.assert_array_equal(r[:8], y[:8].double().numpy())
@@ -65,7 +67,9 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     sigma = math.sqrt(0.3 * 0.7 / y.numel())  # binomial: the mean's standard error
     assert abs(float((r == 3.0).double().mean()) - 0.3) < 5 * sigma
     again = stochastic_round(y, element, torch.Generator().manual_seed(0))
-    assert torch.equal(r, again) and not torch.equal(r, stochastic_round(y, element, torch.Generator().manual_seed(1)))
+    assert torch.equal(r, again) and not torch.equal(
+        r, stochastic_round(y, element, torch.Generator().manual_seed(1))
+    )
 
 
 def test_the_random_hadamard_transform_is_orthogonal_and_keeps_the_weight_gradient():
@@ -87,7 +91,9 @@ def test_the_nvfp4_training_recipe_quantizes_each_operand_as_declared():
     dy = torch.randn(64, 64) * 1e-3
     layer(x).backward(dy)
     w16 = quantize(layer.weight.detach(), "nvfp4", (16, 16)).dequantized
-    expected_y = torch.nn.functional.linear(quantize(x.detach(), "nvfp4", (1, 16)).dequantized, w16, layer.bias.detach())
+    expected_y = torch.nn.functional.linear(
+        quantize(x.detach(), "nvfp4", (1, 16)).dequantized, w16, layer.bias.detach()
+    )
     torch.testing.assert_close(layer(x).detach(), expected_y, rtol=0, atol=0)
     # the 16x16 weight blocks: one scale per 256 elements, so one weight serves fprop and dgrad
     assert quantize(layer.weight.detach(), "nvfp4", (16, 16)).scales.shape == (4, 8)
@@ -100,7 +106,12 @@ def test_the_nvfp4_training_recipe_quantizes_each_operand_as_declared():
 
 def test_the_hybrid_recipe_is_e4m3_forward_and_e5m2_gradients():
     recipe = get_recipe("fp8-hybrid")
-    assert (recipe.fprop.a.fmt, recipe.fprop.b.fmt, recipe.dgrad.a.fmt, recipe.wgrad.a.fmt) == ("e4m3", "e4m3", "e5m2", "e5m2")
+    assert (recipe.fprop.a.fmt, recipe.fprop.b.fmt, recipe.dgrad.a.fmt, recipe.wgrad.a.fmt) == (
+        "e4m3",
+        "e4m3",
+        "e5m2",
+        "e5m2",
+    )
     assert all(op.layout == "tensor" for g in (recipe.fprop, recipe.dgrad, recipe.wgrad) for op in (g.a, g.b))
     assert all(r.source for r in NAMED_RECIPES.values())  # each named recipe says where it comes from
 
@@ -113,24 +124,43 @@ def test_scheme_recipes_keep_the_transposed_backward_layouts():
     assert get_recipe("bf16").fprop.a.fmt == "bf16"
 
 
-@pytest.mark.parametrize(("build", "message"), [
-    (lambda: Recipe("r", Gemm(Operand("e4m3"), Operand("e4m3"), hadamard=16), Gemm(Operand("e4m3"), Operand("e4m3")),
-                    Gemm(Operand("e4m3"), Operand("e4m3"))), "a Hadamard transform on fprop"),
-    (lambda: Recipe("r", *[Gemm(Operand("e4m3"), Operand("e4m3"))] * 2, Gemm(Operand("e4m3"), Operand("e4m3"), hadamard=12)),
-     "power of two"),
-    (lambda: Operand("e4m3", "tensor", "dither"), "rounding must be one of nearest, stochastic"),
-    (lambda: Operand("mxfp8", (1, 16)), "must be (1, 32), (32, 1) or (32, 32)"),
-    (lambda: Operand("bf16", "tensor", "stochastic"), "stochastic rounding needs a block-scaled format"),
-    (lambda: get_recipe("fp6"), "unknown recipe 'fp6'"),
-])
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: Recipe(
+                "r",
+                Gemm(Operand("e4m3"), Operand("e4m3"), hadamard=16),
+                Gemm(Operand("e4m3"), Operand("e4m3")),
+                Gemm(Operand("e4m3"), Operand("e4m3")),
+            ),
+            "a Hadamard transform on fprop",
+        ),
+        (
+            lambda: Recipe(
+                "r",
+                *[Gemm(Operand("e4m3"), Operand("e4m3"))] * 2,
+                Gemm(Operand("e4m3"), Operand("e4m3"), hadamard=12),
+            ),
+            "power of two",
+        ),
+        (lambda: Operand("e4m3", "tensor", "dither"), "rounding must be one of nearest, stochastic"),
+        (lambda: Operand("mxfp8", (1, 16)), "must be (1, 32), (32, 1) or (32, 32)"),
+        (lambda: Operand("bf16", "tensor", "stochastic"), "stochastic rounding needs a block-scaled format"),
+        (lambda: get_recipe("fp6"), "unknown recipe 'fp6'"),
+    ],
+)
 def test_inconsistent_recipes_are_refused_when_built(build, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build()
 
 
-MY_RECIPE = {"source": "a test", "fprop": {"a": "e4m3:1x128", "b": "e4m3:128x128"},
-             "dgrad": {"a": "e5m2:1x128:stochastic", "b": "e4m3:128x128"},
-             "wgrad": {"a": "e5m2:128x1", "b": "fp32", "hadamard": 0}}
+MY_RECIPE = {
+    "source": "a test",
+    "fprop": {"a": "e4m3:1x128", "b": "e4m3:128x128"},
+    "dgrad": {"a": "e5m2:1x128:stochastic", "b": "e4m3:128x128"},
+    "wgrad": {"a": "e5m2:128x1", "b": "fp32", "hadamard": 0},
+}
 
 
 def test_user_recipes_from_toml_reach_workers_through_the_environment(monkeypatch):
@@ -145,22 +175,29 @@ def test_user_recipes_from_toml_reach_workers_through_the_environment(monkeypatc
     assert np.isfinite(first.loss).all() and first.loss.equals(second.loss)  # seeded stochastic rounding
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ({**MY_RECIPE, "wgrad": {"a": "e5m2"}}, "wgrad must be a table"),
-    ({**MY_RECIPE, "fprop": {"a": "e4m3:1x128:fast", "b": "fp32"}}, "operand 'e4m3:1x128:fast'"),
-    ({**MY_RECIPE, "extra": 1}, "unknown key(s) extra"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({**MY_RECIPE, "wgrad": {"a": "e5m2"}}, "wgrad must be a table"),
+        ({**MY_RECIPE, "fprop": {"a": "e4m3:1x128:fast", "b": "fp32"}}, "operand 'e4m3:1x128:fast'"),
+        ({**MY_RECIPE, "extra": 1}, "unknown key(s) extra"),
+    ],
+)
 def test_bad_user_recipes_name_the_table_and_field(body, message):
-    with pytest.raises(ValueError, match=r"cases.toml: \[recipes.mine\].*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(
+        ValueError, match=r"cases.toml: \[recipes.mine\].*" + message.replace("(", r"\(").replace(")", r"\)")
+    ):
         recipes_from_toml({"mine": body}, "cases.toml")
 
 
 def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
     monkeypatch.delenv(RECIPES_ENV, raising=False)
     config = tmp_path / "mine.toml"
-    config.write_text('[recipes.mine]\nfprop = { a = "e4m3:tensor", b = "e4m3:tensor" }\n'
-                      'dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }\nwgrad = { a = "fp32", b = "fp32" }\n'
-                      '[[case]]\nmodel = "gpt"\nrecipe = "mine"\n')
+    config.write_text(
+        '[recipes.mine]\nfprop = { a = "e4m3:tensor", b = "e4m3:tensor" }\n'
+        'dgrad = { a = "e5m2:tensor", b = "e4m3:tensor" }\nwgrad = { a = "fp32", b = "fp32" }\n'
+        '[[case]]\nmodel = "gpt"\nrecipe = "mine"\n'
+    )
     (spec,) = config_specs(config)
     assert spec.training_recipe().wgrad.a.fmt == "fp32"
     config.write_text('[recipe.mine]\n[[case]]\nmodel = "gpt"\n')
@@ -173,8 +210,16 @@ def test_a_config_file_declares_its_recipes(tmp_path, monkeypatch):
 # Each GEMM of y = x W^T over its operands as stored (x, dy: tokens by features; W: out by in):
 # the letter summed over is K
 GEMM_SUMS = {"fprop": "ik,jk->ij", "dgrad": "ik,kj->ij", "wgrad": "ki,kj->ij"}
-SCHEME_RECIPES = ["fp8-block", *FORMATS, *(f"{fmt}:{layout}" for fmt, f in FORMATS.items()
-                                           if f.scale_rule == "amax" for layout in ("tensor", "row", "128x128"))]
+SCHEME_RECIPES = [
+    "fp8-block",
+    *FORMATS,
+    *(
+        f"{fmt}:{layout}"
+        for fmt, f in FORMATS.items()
+        if f.scale_rule == "amax"
+        for layout in ("tensor", "row", "128x128")
+    ),
+]
 
 
 def contraction_axis(where: str) -> int:
@@ -189,13 +234,18 @@ def shortest_scale_run(operand: Operand, shape: tuple[int, int], axis: int) -> i
     x = torch.randn(*shape, generator=generator) * torch.rand(*shape, generator=generator).exp2()
     quantized = quantize(x, operand.fmt, operand.layout)
     lines = full_scales(quantized.scales, operand.layout, *shape).expand(*shape).movedim(axis, 1)
-    run_of = torch.cat([torch.zeros(len(lines), 1, dtype=torch.long), (lines[:, 1:] != lines[:, :-1]).long()], 1)
+    run_of = torch.cat(
+        [torch.zeros(len(lines), 1, dtype=torch.long), (lines[:, 1:] != lines[:, :-1]).long()], 1
+    )
     run_of = run_of.cumsum(1) + torch.arange(len(lines))[:, None] * lines.shape[1]  # one id per run
     return int(torch.unique(run_of, return_counts=True)[1].min())
 
 
-@pytest.mark.parametrize("recipe", [*NAMED_RECIPES.values(), *(Recipe.from_scheme(get_scheme(n)) for n in SCHEME_RECIPES)],
-                         ids=[*NAMED_RECIPES, *(f"scheme {n}" for n in SCHEME_RECIPES)])
+@pytest.mark.parametrize(
+    "recipe",
+    [*NAMED_RECIPES.values(), *(Recipe.from_scheme(get_scheme(n)) for n in SCHEME_RECIPES)],
+    ids=[*NAMED_RECIPES, *(f"scheme {n}" for n in SCHEME_RECIPES)],
+)
 def test_every_scale_is_shared_by_consecutive_products_of_its_gemms_dot_products(recipe):
     """A block scale can be factored out of a partial sum of a dot product only where the block
     lies along K: every scale must cover at least two consecutive elements of K."""
@@ -209,24 +259,35 @@ def test_a_recipe_whose_wgrad_blocks_lie_across_the_tokens_is_refused_naming_wgr
     """The planted bug: the backward GEMMs keep the forward layouts (1x128 tiles of dy and x), so
     wgrad, which sums over tokens, would change both operands' scales at every token."""
     monkeypatch.setattr(recipes, "transpose_layout", lambda layout: layout)
-    assert shortest_scale_run(Operand("e4m3", (1, 128)), (128, 192), contraction_axis("wgrad.b")) == 1  # breaks the law
-    with pytest.raises(ValueError, match=r"recipe 'fp8-block' wgrad: operand a e4m3:1x128 of dy \(tokens, out\) has "
-                                         r"scaling blocks one element long along axis 0, the GEMM's contraction axis "
-                                         r"\(wgrad sums over tokens\).*such as e4m3:128x1"):
+    assert (
+        shortest_scale_run(Operand("e4m3", (1, 128)), (128, 192), contraction_axis("wgrad.b")) == 1
+    )  # breaks the law
+    with pytest.raises(
+        ValueError,
+        match=r"recipe 'fp8-block' wgrad: operand a e4m3:1x128 of dy \(tokens, out\) has "
+        r"scaling blocks one element long along axis 0, the GEMM's contraction axis "
+        r"\(wgrad sums over tokens\).*such as e4m3:128x1",
+    ):
         Recipe.from_scheme(get_scheme("fp8-block"))
 
 
-def test_a_users_table_that_breaks_the_law_is_a_one_line_usage_error_before_any_training(tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_a_users_table_that_breaks_the_law_is_a_one_line_usage_error_before_any_training(
+    tmp_path, capsys, monkeypatch
+):
     monkeypatch.delenv(RECIPES_ENV, raising=False)
     monkeypatch.setattr(Trainer, "__init__", lambda *args, **kwargs: pytest.fail("trained a refused recipe"))
     config = tmp_path / "cases.toml"
-    config.write_text('[recipes.tiles]\nfprop = { a = "e4m3:1x128", b = "e4m3:128x128" }\n'
-                      'dgrad = { a = "e5m2:1x128", b = "e4m3:128x128" }\nwgrad = { a = "e5m2:1x128", b = "e4m3:128x1" }\n'
-                      '[[case]]\nmodel = "gpt"\nrecipe = "tiles"\n')
+    config.write_text(
+        '[recipes.tiles]\nfprop = { a = "e4m3:1x128", b = "e4m3:128x128" }\n'
+        'dgrad = { a = "e5m2:1x128", b = "e4m3:128x128" }\nwgrad = { a = "e5m2:1x128", b = "e4m3:128x1" }\n'
+        '[[case]]\nmodel = "gpt"\nrecipe = "tiles"\n'
+    )
     assert cli.main(["run", "--config", str(config), "--report-dir", str(tmp_path / "report")]) == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and f"{config}: [recipes.tiles]: recipe 'tiles' wgrad: operand a e5m2:1x128" in error
+    assert (
+        error.count("\n") == 1
+        and f"{config}: [recipes.tiles]: recipe 'tiles' wgrad: operand a e5m2:1x128" in error
+    )
     assert "such as e5m2:128x1" in error
 
 
@@ -239,22 +300,36 @@ def test_built_in_recipes_accumulate_in_float32_and_the_hopper_presets_as_their_
         modes = tuple(g.accumulation.text() for g in (recipe.fprop, recipe.dgrad, recipe.wgrad))
         if name not in hopper:  # the default matrix's numbers and baselines stay as they were
             assert modes == ("fp32",) * 3, name
-    assert tuple(g.accumulation.text() for g in (get_recipe("fp8-hybrid-hopper").fprop,
-                                                 get_recipe("fp8-hybrid-hopper").dgrad,
-                                                 get_recipe("fp8-hybrid-hopper").wgrad)) == (
-        "hopper-fast", "hopper-promoted:128", "hopper-promoted:128")  # TE current scaling, torchao tensorwise
+    assert tuple(
+        g.accumulation.text()
+        for g in (
+            get_recipe("fp8-hybrid-hopper").fprop,
+            get_recipe("fp8-hybrid-hopper").dgrad,
+            get_recipe("fp8-hybrid-hopper").wgrad,
+        )
+    ) == (
+        "hopper-fast",
+        "hopper-promoted:128",
+        "hopper-promoted:128",
+    )  # TE current scaling, torchao tensorwise
     block = get_recipe("fp8-block-hopper")
     assert {g.accumulation.text() for g in (block.fprop, block.dgrad, block.wgrad)} == {"hopper-promoted:128"}
     for name in hopper:  # the operands of the recipe they accumulate differently
         base = get_recipe(name.removesuffix("-hopper"))
-        assert all(getattr(get_recipe(name), g).a == getattr(base, g).a and getattr(get_recipe(name), g).b
-                   == getattr(base, g).b for g in ("fprop", "dgrad", "wgrad"))
+        assert all(
+            getattr(get_recipe(name), g).a == getattr(base, g).a
+            and getattr(get_recipe(name), g).b == getattr(base, g).b
+            for g in ("fprop", "dgrad", "wgrad")
+        )
 
 
 def test_toml_declares_the_accumulation_and_it_reaches_workers(monkeypatch):
-    body = {**MY_RECIPE, "fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
-            "dgrad": {"a": "e5m2:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:64"},
-            "wgrad": {"a": "e5m2:128x1", "b": "fp32"}}
+    body = {
+        **MY_RECIPE,
+        "fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
+        "dgrad": {"a": "e5m2:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:64"},
+        "wgrad": {"a": "e5m2:128x1", "b": "fp32"},
+    }
     (recipe,) = recipes_from_toml({"mine": body}, "cases.toml").values()
     assert recipe.describe()["fprop"]["accumulate"] == "hopper-fast"
     assert recipe.describe()["dgrad"]["accumulate"] == "hopper-promoted:64"
@@ -263,19 +338,35 @@ def test_toml_declares_the_accumulation_and_it_reaches_workers(monkeypatch):
     assert get_recipe("mine") == recipe
 
 
-@pytest.mark.parametrize(("gemm", "message"), [
-    ({"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper"}, r"fprop accumulate: accumulation mode 'hopper'"),
-    ({"a": "mxfp8:1x32", "b": "mxfp8:1x32", "accumulate": "hopper-promoted"},
-     r"recipe 'mine' fprop accumulates hopper-promoted:128, but operand a is mxfp8:1x32: the Hopper tensor-core "
-     r"model takes FP8 operands"),
-    ({"a": "nvfp4:1x16", "b": "nvfp4:1x16", "accumulate": "hopper-fast"}, r"recipe 'mine' fprop .* operand a is nvfp4"),
-    ({"a": "e4m3:tensor", "b": "fp32", "accumulate": "hopper-fast"}, r"operand b is fp32"),
-    ({"a": "e5m2:tensor", "b": "e5m2:tensor", "accumulate": "hopper-fast"}, r"E5M2 x E5M2"),
-    ({"a": "e4m3:1x128", "b": "e4m3:tensor", "accumulate": "hopper-fast"}, r"scales that change along K"),
-    ({"a": "e4m3:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:256"},
-     r"promotes every 256 elements of K, but operand a e4m3:1x128 changes its scale every 128"),
-    ({"a": "e4m3:1x64", "b": "e4m3:tensor", "accumulate": "hopper-promoted"}, r"changes its scale every 64\b"),
-])
+@pytest.mark.parametrize(
+    ("gemm", "message"),
+    [
+        (
+            {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper"},
+            r"fprop accumulate: accumulation mode 'hopper'",
+        ),
+        (
+            {"a": "mxfp8:1x32", "b": "mxfp8:1x32", "accumulate": "hopper-promoted"},
+            r"recipe 'mine' fprop accumulates hopper-promoted:128, but operand a is mxfp8:1x32: the Hopper tensor-core "
+            r"model takes FP8 operands",
+        ),
+        (
+            {"a": "nvfp4:1x16", "b": "nvfp4:1x16", "accumulate": "hopper-fast"},
+            r"recipe 'mine' fprop .* operand a is nvfp4",
+        ),
+        ({"a": "e4m3:tensor", "b": "fp32", "accumulate": "hopper-fast"}, r"operand b is fp32"),
+        ({"a": "e5m2:tensor", "b": "e5m2:tensor", "accumulate": "hopper-fast"}, r"E5M2 x E5M2"),
+        ({"a": "e4m3:1x128", "b": "e4m3:tensor", "accumulate": "hopper-fast"}, r"scales that change along K"),
+        (
+            {"a": "e4m3:1x128", "b": "e4m3:128x128", "accumulate": "hopper-promoted:256"},
+            r"promotes every 256 elements of K, but operand a e4m3:1x128 changes its scale every 128",
+        ),
+        (
+            {"a": "e4m3:1x64", "b": "e4m3:tensor", "accumulate": "hopper-promoted"},
+            r"changes its scale every 64\b",
+        ),
+    ],
+)
 def test_accumulations_the_operands_cannot_take_are_refused_naming_recipe_and_gemm(gemm, message):
     with pytest.raises(ValueError, match=r"cases.toml: \[recipes.mine\].*" + message):
         recipes_from_toml({"mine": {**MY_RECIPE, "fprop": gemm}}, "cases.toml")
@@ -302,13 +393,22 @@ def test_a_hopper_recipe_trains_with_the_gemms_an_h100_computes(monkeypatch):
 
     def fp8(t, fmt):
         q = quantize(t.detach(), fmt, "tensor")
-        return (q.dequantized / q.scales).to(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2), q.scales
+        return (q.dequantized / q.scales).to(
+            torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+        ), q.scales
 
     def h100(a, a_scale, b, b_scale, fast):  # b: (K, N), column-major as cuBLAS reads it
         with __import__("warnings").catch_warnings():
             __import__("warnings").simplefilter("ignore")
-            return mmaemu.scaled_mm(a.contiguous(), b.t().contiguous().t(), a_scale.reshape(()), b_scale.reshape(()),
-                                    out_dtype=torch.float32, use_fast_accum=fast, splitk=1)
+            return mmaemu.scaled_mm(
+                a.contiguous(),
+                b.t().contiguous().t(),
+                a_scale.reshape(()),
+                b_scale.reshape(()),
+                out_dtype=torch.float32,
+                use_fast_accum=fast,
+                splitk=1,
+            )
 
     (xq, sx), (wq, sw), (dyq, sdy) = fp8(x, "e4m3"), fp8(layer.weight, "e4m3"), fp8(dy, "e5m2")
     assert torch.equal(y.detach(), h100(xq, sx, wq.t(), sw, fast=True) + layer.bias.detach())
@@ -336,7 +436,10 @@ def test_block_scaled_hopper_gemms_apply_each_chunks_scales_on_promotion():
         return split_dequantized(q.dequantized, scales, "e4m3"), scales
 
     (xe, xs), (we, ws) = factors(x, (1, 128)), factors(layer.weight, (128, 128))
-    expected = scaled_gemm(xe, we.t(), xs, ws.t(), "hopper-promoted", elements=("e4m3", "e4m3")) + layer.bias.detach()
+    expected = (
+        scaled_gemm(xe, we.t(), xs, ws.t(), "hopper-promoted", elements=("e4m3", "e4m3"))
+        + layer.bias.detach()
+    )
     assert torch.equal(y.detach(), expected)
     assert not torch.equal(y, y_fp32)
     # within the bound the model's 13 fraction bits allow a promoted chain of 128 (and float32's
@@ -361,8 +464,9 @@ def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
         [alone] = gemm_error_sums(recipe, "fprop", a, b, [Accumulation(mode)])
         assert torch.equal(together, alone)
     nvfp4 = get_recipe("nvfp4")  # no FP8 elements: only float32 accumulation is defined
-    [fp32] = gemm_error_sums(nvfp4, "fprop", (x, nvfp4.fprop.a.apply(x, None)), (w, nvfp4.fprop.b.apply(w, None)),
-                             [Accumulation()])
+    [fp32] = gemm_error_sums(
+        nvfp4, "fprop", (x, nvfp4.fprop.a.apply(x, None)), (w, nvfp4.fprop.b.apply(w, None)), [Accumulation()]
+    )
     assert relative_error(fp32) < 2.0**-20
 
 
@@ -373,9 +477,17 @@ def test_gemm_error_sums_leave_out_what_the_hardware_cannot_run():
     recipe = get_recipe("fp8-block-hopper")  # 1x128 and 128x128 scales change along K
     x, w = fp8_tensor((64, 256), 6), fp8_tensor((128, 256), 7)
     a, b = (x, recipe.fprop.a.apply(x, None)), (w, recipe.fprop.b.apply(w, None))
-    fast, promoted, every_256 = gemm_error_sums(recipe, "fprop", a, b, [Accumulation("hopper-fast"),
-                                                                        Accumulation("hopper-promoted", 128),
-                                                                        Accumulation("hopper-promoted", 256)])
+    fast, promoted, every_256 = gemm_error_sums(
+        recipe,
+        "fprop",
+        a,
+        b,
+        [
+            Accumulation("hopper-fast"),
+            Accumulation("hopper-promoted", 128),
+            Accumulation("hopper-promoted", 256),
+        ],
+    )
     assert fast is None and every_256 is None and promoted is not None
     assert promoted[3] == 64 * 128  # every output of x W^T
     assert reduction_length("fprop", a) == 256 and reduction_length("wgrad", a) == 64

@@ -59,7 +59,9 @@ def test_the_stored_state_is_the_runs_state_within_half_a_step_of_its_grid(kept)
         replays._load_state(trainer, state)
         loaded = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     exact = torch.cat([w.reshape(-1) for w in truth["weights"]])
-    scale = torch.from_numpy(state["state_weight_scale"].values).repeat_interleave(replays.STATE_BLOCK)[:exact.numel()]
+    scale = torch.from_numpy(state["state_weight_scale"].values).repeat_interleave(replays.STATE_BLOCK)[
+        : exact.numel()
+    ]
     # int8 rounding: half a grid step, plus float32 rounding of W_0 + change
     assert torch.all((loaded - exact).abs() <= scale / 2 + 1e-6 * exact.abs().clamp(min=1.0))
     assert torch.equal(trainer.data_rng.get_state(), truth["generator"])
@@ -88,8 +90,14 @@ def test_a_replay_agrees_with_its_stored_replay_and_a_changed_one_fails_marked(k
     changed["underflow"].loc[dict(tensor="gradient", layout="1x128", layer=0)] += 0.01
     findings = compare_replay(changed, stored, regen_hint="precision-suite baseline update")
     assert findings and all(is_replay_finding(f) and f.kind == "regression" for f in findings)
-    assert any(f.metric == "underflow" and f.where["tensor"] == "gradient" and f.where["layer"] == 0
-               and "replayed step" in f.message and "baseline update" in f.message for f in findings)
+    assert any(
+        f.metric == "underflow"
+        and f.where["tensor"] == "gradient"
+        and f.where["layer"] == 0
+        and "replayed step" in f.message
+        and "baseline update" in f.message
+        for f in findings
+    )
 
 
 def test_a_new_nan_in_a_replay_is_a_regression(kept):
@@ -122,14 +130,19 @@ def test_a_state_kept_at_any_step_is_the_runs_and_replays_deterministically(kept
     assert list(first["step"].values) == [1, 2] and list(first["train_step"].values) == [1, 2, 3]
     with pytest.raises(ValueError, match="kept before step 1, but this spec replays from step 2$"):
         replays.replay(SPEC, state, 2)
-    with pytest.raises(ValueError, match="regenerate the baseline"):  # a stored baseline's replay starts later
+    with pytest.raises(
+        ValueError, match="regenerate the baseline"
+    ):  # a stored baseline's replay starts later
         replays.replay(SPEC, state)
 
 
 def test_a_replay_near_the_end_trains_the_steps_left():
     state = replays.keep_state(SPEC, SPEC.steps - 1)
     assert replays.replay_steps(SPEC, SPEC.steps - 1) == 1
-    assert list(replays.replay(SPEC, state, SPEC.steps - 1)["train_step"].values) == [SPEC.steps - 1, SPEC.steps]
+    assert list(replays.replay(SPEC, state, SPEC.steps - 1)["train_step"].values) == [
+        SPEC.steps - 1,
+        SPEC.steps,
+    ]
     for start in (0, SPEC.steps):
         with pytest.raises(ValueError, match=f"steps 1 to {SPEC.steps - 1}, not before step {start}"):
             replays.keep_state(SPEC, start)
@@ -154,8 +167,16 @@ def test_a_missing_or_incomplete_stored_replay_says_how_to_create_it(kept, tmp_p
         load_replay(tmp_path, "gpt-softmax-fp8-block", regen_hint="make-it")
     stored = _stored(kept)
     path = replay_path(tmp_path, str(stored.attrs["case"]))
-    save_dataset(stored.drop_attrs(deep=False).assign_attrs(
-        {k: v for k, v in stored.attrs.items() if k != "replay_tolerance"}), path)
+    save_dataset(
+        stored.drop_attrs(deep=False).assign_attrs(
+            {k: v for k, v in stored.attrs.items() if k != "replay_tolerance"}
+        ),
+        path,
+    )
     with pytest.raises(BaselineError, match="lacks attribute.*replay_tolerance.*make-it"):
-        load_replay(tmp_path, str(stored.attrs["case"]), expected_spec=json.loads(stored.attrs["spec"]),
-                    regen_hint="make-it")
+        load_replay(
+            tmp_path,
+            str(stored.attrs["case"]),
+            expected_spec=json.loads(stored.attrs["spec"]),
+            regen_hint="make-it",
+        )

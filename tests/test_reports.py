@@ -62,8 +62,9 @@ def _planted_case(tmp_path: Path):
     cell = dict(layer=2, tensor="gradient_transpose", layout="128x1")
     current["underflow"].loc[cell] = current["underflow"].loc[cell] + 0.1
     findings = compare(current, baseline)
-    chart = canvas.save_figure(drift_chart.plot_drift(current, baseline, findings),
-                               tmp_path / "plugin-charts" / "drift.png")
+    chart = canvas.save_figure(
+        drift_chart.plot_drift(current, baseline, findings), tmp_path / "plugin-charts" / "drift.png"
+    )
     return current, verdict(current.attrs["case"], findings, [str(chart)])
 
 
@@ -71,17 +72,21 @@ def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
     current, failing = _planted_case(tmp_path)
     passing_ds = make_run_dataset(attention="x/1")
     passing = verdict(passing_ds.attrs["case"], [])
-    out = reports.write_report([passing, failing], tmp_path / "report",
-                               datasets={current.attrs["case"]: current,
-                                         passing_ds.attrs["case"]: passing_ds})
+    out = reports.write_report(
+        [passing, failing],
+        tmp_path / "report",
+        datasets={current.attrs["case"]: current, passing_ds.attrs["case"]: passing_ds},
+    )
 
     summary = _strict_json(out / "summary.json")
     assert summary["overall"] == "fail"
     assert [c["case"] for c in summary["cases"]] == [failing.case, passing.case]  # failing first
     failed = summary["cases"][0]
     assert failed["status"] == "fail"
-    assert any(f["kind"] == "regression" and f["metric"] == "underflow" and f["where"]["layer"] == 2
-               for f in failed["findings"])
+    assert any(
+        f["kind"] == "regression" and f["metric"] == "underflow" and f["where"]["layer"] == 2
+        for f in failed["findings"]
+    )
     # the drift chart is copied in, and figures A and B of the failing case are drawn
     assert failed["charts"][0].startswith("charts/") and failed["charts"][0].endswith("drift.png")
     assert any(c.endswith("quant-error.png") for c in failed["charts"])
@@ -99,7 +104,7 @@ def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
         assert img["src"].startswith("data:image/png;base64,")  # opens from disk, self-contained
     assert f"FAIL {failing.case}" in page.headings  # status as a word, not only an emoji
     text = (out / "index.html").read_text(encoding="utf-8")
-    section = text[text.index(f"{failing.case}</h2>"):]
+    section = text[text.index(f"{failing.case}</h2>") :]
     # the chart first, then the worst findings (linking to it), then the full table folded
     assert section.index("<img") < section.index("Worst findings") < section.index("<details>")
     assert f'href="#{section.split("<figure id=")[1].split(chr(34))[1]}"' in section
@@ -112,12 +117,15 @@ def test_planted_regression_report_fails_and_shows_the_case_chart(tmp_path):
 
 
 def test_cases_are_ordered_fail_error_drift_pass(tmp_path):
-    made = [verdict(f"case-{status}", findings) for status, findings in (
-        ("pass", []),
-        ("drift", [Finding("case-drift", "drift", "loss", {}, 1.0, 2.0, 0.1, "better")]),
-        ("error", [Finding("case-error", "error", "loss", {}, np.nan, np.nan, np.nan, "broken")]),
-        ("fail", [Finding("case-fail", "threshold", "loss", {}, 3.0, 2.0, np.nan, "too high")]),
-    )]
+    made = [
+        verdict(f"case-{status}", findings)
+        for status, findings in (
+            ("pass", []),
+            ("drift", [Finding("case-drift", "drift", "loss", {}, 1.0, 2.0, 0.1, "better")]),
+            ("error", [Finding("case-error", "error", "loss", {}, np.nan, np.nan, np.nan, "broken")]),
+            ("fail", [Finding("case-fail", "threshold", "loss", {}, 3.0, 2.0, np.nan, "too high")]),
+        )
+    ]
     out = reports.write_report(made, tmp_path)
     summary = _strict_json(out / "summary.json")
     assert [c["status"] for c in summary["cases"]] == ["fail", "error", "drift", "pass"]
@@ -127,14 +135,18 @@ def test_cases_are_ordered_fail_error_drift_pass(tmp_path):
 
 
 def test_charts_all_draws_every_case_and_a_variant_overview(tmp_path):
-    datasets = {ds.attrs["case"]: ds for ds in (make_run_dataset(attention="softmax"),
-                                                make_run_dataset(attention="x/1", growth=2.0))}
+    datasets = {
+        ds.attrs["case"]: ds
+        for ds in (make_run_dataset(attention="softmax"), make_run_dataset(attention="x/1", growth=2.0))
+    }
     made = [verdict(case, []) for case in datasets]
     out = reports.write_report(made, tmp_path, datasets=datasets, charts="all")
     summary = _strict_json(out / "summary.json")
     assert all(len(c["charts"]) == 2 for c in summary["cases"])
-    assert summary["overview_charts"] == ["charts/overview-vit-fp32-attention-norm.png",
-                                          "charts/overview-vit-softmax-fp32-quant-error.png"]
+    assert summary["overview_charts"] == [
+        "charts/overview-vit-fp32-attention-norm.png",
+        "charts/overview-vit-softmax-fp32-quant-error.png",
+    ]
     referenced = {img["data-chart"] for img in _parse(out / "index.html").images}
     every_chart = {c for case in summary["cases"] for c in case["charts"]} | set(summary["overview_charts"])
     assert referenced == every_chart
@@ -144,14 +156,19 @@ def test_charts_all_draws_every_case_and_a_variant_overview(tmp_path):
 def test_figure_b_overview_prefers_a_low_precision_run_and_needs_quant_metrics(tmp_path):
     fp32 = make_run_dataset(model="gpt", recipe="fp32")  # "gpt-softmax-fp32" sorts first
     fp8 = make_run_dataset(model="gpt", recipe="fp8-block")
-    out = reports.write_report([verdict(ds.attrs["case"], []) for ds in (fp32, fp8)], tmp_path / "a",
-                               datasets={ds.attrs["case"]: ds for ds in (fp32, fp8)})
+    out = reports.write_report(
+        [verdict(ds.attrs["case"], []) for ds in (fp32, fp8)],
+        tmp_path / "a",
+        datasets={ds.attrs["case"]: ds for ds in (fp32, fp8)},
+    )
     assert _strict_json(out / "summary.json")["overview_charts"] == [
-        f"charts/overview-{fp8.attrs['case']}-quant-error.png"]
+        f"charts/overview-{fp8.attrs['case']}-quant-error.png"
+    ]
     unmeasured = fp8.copy(deep=True)
     unmeasured["underflow"][:] = np.nan  # a run without quantization metrics has no figure B
-    out = reports.write_report([verdict(fp8.attrs["case"], [])], tmp_path / "b",
-                               datasets={fp8.attrs["case"]: unmeasured})
+    out = reports.write_report(
+        [verdict(fp8.attrs["case"], [])], tmp_path / "b", datasets={fp8.attrs["case"]: unmeasured}
+    )
     assert _strict_json(out / "summary.json")["overview_charts"] == []
 
 
@@ -195,10 +212,21 @@ def test_bad_arguments_are_named(tmp_path):
 def test_summary_md_fits_a_ci_job_summary_with_the_worst_finding_per_case(tmp_path, monkeypatch):
     monkeypatch.setattr(reports, "MAX_MARKDOWN_BYTES", 4000)  # the real limit, 1 MiB, scaled down
     mild = Finding("big-case", "drift", "loss", {"step": 1}, 1.0, 1.1, 0.1, "mild drift", score=-5.5)
-    worst = Finding("big-case", "regression", "underflow", {"step": 2}, 0.3, 0.01, 5.0,
-                    "underflow regressed far", score=40.0)
-    many = [Finding("big-case", "drift", "loss", {"step": i}, 1.0, 1.1, 0.1, "x" * 600, score=-6.0)
-            for i in range(40)]
+    worst = Finding(
+        "big-case",
+        "regression",
+        "underflow",
+        {"step": 2},
+        0.3,
+        0.01,
+        5.0,
+        "underflow regressed far",
+        score=40.0,
+    )
+    many = [
+        Finding("big-case", "drift", "loss", {"step": i}, 1.0, 1.1, 0.1, "x" * 600, score=-6.0)
+        for i in range(40)
+    ]
     out = reports.write_report([verdict("big-case", [mild, *many, worst])], tmp_path)
     text = (out / "summary.md").read_text(encoding="utf-8")
     assert len(text.encode("utf-8")) <= 4000

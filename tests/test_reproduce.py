@@ -65,8 +65,12 @@ def _by_key(claims):
 
 def test_figure_a_claims_hold_on_the_papers_picture():
     claims = _by_key(figure_a_claims(_figure_a(PAPER_LIKE, DEEP_DIFFERENT)))
-    assert list(claims) == ["softmax_bounded", "scaled_twins_apart", "unscaled_largest",
-                            "depth_changes_growth"]
+    assert list(claims) == [
+        "softmax_bounded",
+        "scaled_twins_apart",
+        "unscaled_largest",
+        "depth_changes_growth",
+    ]
     assert all(claim.holds for claim in claims.values()), [c for c in claims.values() if not c.holds]
     twins = claims["scaled_twins_apart"].numbers
     # layer 1 keeps the constructed ratios; the last layer's are scaled by the depth factors
@@ -123,8 +127,12 @@ def test_figure_a_claims_name_what_is_missing():
 PANELS = {"activation": "1x128", "gradient": "1x128", "gradient_transpose": "128x1"}
 
 
-def _figure_b(underflow: dict[str, float], distortion: float = 0.9997,
-              spike: tuple[str, int, float] | None = None, dip: tuple[str, int, float] | None = None):
+def _figure_b(
+    underflow: dict[str, float],
+    distortion: float = 0.9997,
+    spike: tuple[str, int, float] | None = None,
+    dip: tuple[str, int, float] | None = None,
+):
     """A GPT run of 18 layers, every panel's underflow constant at `underflow[tensor]` (a small
     alternation keeps medians honest); `spike` sets one step of (tensor, layer) to that value,
     `dip` one step's distortion."""
@@ -144,16 +152,22 @@ LING_LIKE = {"activation": 2e-5, "gradient": 1e-4, "gradient_transpose": 5e-3}
 
 
 def test_figure_b_claims_hold_on_the_papers_picture():
-    ds = _figure_b(LING_LIKE, spike=("gradient_transpose", 16, 0.1),
-                   dip=("gradient_transpose", 16, 0.9))
+    ds = _figure_b(LING_LIKE, spike=("gradient_transpose", 16, 0.1), dip=("gradient_transpose", 16, 0.9))
     claims = _by_key(figure_b_claims(ds))
-    assert list(claims) == ["tiny_1x128_underflow", "transpose_above_gradient", "transpose_far_larger",
-                            "transpose_spiky", "transpose_worst_in_tail", "distortion_near_one",
-                            "transpose_distortion_dips"]
+    assert list(claims) == [
+        "tiny_1x128_underflow",
+        "transpose_above_gradient",
+        "transpose_far_larger",
+        "transpose_spiky",
+        "transpose_worst_in_tail",
+        "distortion_near_one",
+        "transpose_distortion_dips",
+    ]
     assert all(claim.holds for claim in claims.values()), [c for c in claims.values() if not c.holds]
     assert claims["transpose_worst_in_tail"].numbers["worst layer"] == 16
     assert claims["transpose_far_larger"].numbers["gradient transpose ÷ gradient"] == pytest.approx(
-        LING_LIKE["gradient_transpose"] / LING_LIKE["gradient"], rel=0.1)
+        LING_LIKE["gradient_transpose"] / LING_LIKE["gradient"], rel=0.1
+    )
 
 
 def test_flat_underflow_without_spikes_or_dips_breaks_those_claims():
@@ -175,8 +189,7 @@ def test_a_spike_in_a_shallow_layer_is_not_a_tail_layer_spike():
 
 
 def test_gradient_underflow_above_1e2_is_not_tiny_and_low_distortion_not_near_one():
-    claims = _by_key(figure_b_claims(_figure_b(LING_LIKE, distortion=0.99,
-                                               spike=("gradient", 8, 0.02))))
+    claims = _by_key(figure_b_claims(_figure_b(LING_LIKE, distortion=0.99, spike=("gradient", 8, 0.02))))
     assert not claims["tiny_1x128_underflow"].holds
     assert claims["tiny_1x128_underflow"].numbers["gradient (1,128) largest"] == pytest.approx(0.02)
     assert not claims["distortion_near_one"].holds
@@ -196,10 +209,17 @@ def test_figure_b_claims_name_bad_layers_and_unmeasured_panels():
 @pytest.fixture
 def synthetic_training(monkeypatch):
     """runs.run replaced by synthetic datasets of each spec's shape (no training)."""
+
     def fake_run(spec, progress=None):
         config = spec.model_config()
-        ds = make_run_dataset(model=spec.model, attention=spec.attention, recipe=spec.recipe,
-                              depth=config.depth, steps=spec.steps, sample_every=spec.sample_every)
+        ds = make_run_dataset(
+            model=spec.model,
+            attention=spec.attention,
+            recipe=spec.recipe,
+            depth=config.depth,
+            steps=spec.steps,
+            sample_every=spec.sample_every,
+        )
         ds.attrs.update(case=runs.case_id(spec), spec=spec.to_json(), N=config.tokens)
         if progress is not None:
             progress(spec.steps, spec.steps, 1.0)
@@ -210,8 +230,9 @@ def synthetic_training(monkeypatch):
 
 
 @pytest.mark.parametrize("figure", FIGURE_NAMES)
-def test_reproduce_writes_figure_datasets_and_a_note_of_every_claim(tmp_path, capsys, figure,
-                                                                   synthetic_training):
+def test_reproduce_writes_figure_datasets_and_a_note_of_every_claim(
+    tmp_path, capsys, figure, synthetic_training
+):
     assert cli.main(["reproduce", figure, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     specs = figure_runs.figure_specs(figure)
@@ -233,12 +254,15 @@ def test_reproduce_writes_figure_datasets_and_a_note_of_every_claim(tmp_path, ca
     assert f"{sum(c.holds for c in claims)} of {len(claims)} claims shown" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["reproduce"], "the following arguments are required: FIGURE"),
-    (["reproduce", "figure-c"], "invalid choice: 'figure-c' (choose from 'figure-a', 'figure-b')"),
-    (["reproduce", "figure-a", "--workers", "0"], "'0' is not a positive number of worker processes"),
-    (["reproduce", "figure-b", "--out", "{file}"], "is a file; give a folder"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["reproduce"], "the following arguments are required: FIGURE"),
+        (["reproduce", "figure-c"], "invalid choice: 'figure-c' (choose from 'figure-a', 'figure-b')"),
+        (["reproduce", "figure-a", "--workers", "0"], "'0' is not a positive number of worker processes"),
+        (["reproduce", "figure-b", "--out", "{file}"], "is a file; give a folder"),
+    ],
+)
 def test_reproduce_argument_errors_exit_2_with_a_clear_message(tmp_path, capsys, argv, message):
     (tmp_path / "taken").write_text("")
     argv = [arg.format(file=tmp_path / "taken") for arg in argv]

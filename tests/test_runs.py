@@ -46,15 +46,20 @@ def test_dataset_follows_the_schema(fp8_gpt):
     assert ds.loss.dims == ds.accuracy.dims == ("train_step",)
     assert np.isfinite(ds.loss).all() and ((ds.accuracy >= 0) & (ds.accuracy <= 1)).all()
     # per module: the four block linears of each layer and the output head (no block index)
-    assert ds.module.values.tolist() == [f"blocks.{i}.{m}" for i in range(2)
-                                         for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")] + ["head"]
+    assert ds.module.values.tolist() == [
+        f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    ] + ["head"]
     assert ds.module_layer.values.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, -1]
     assert ds.module_sums.dims == ("step", "module", "tensor", "layout", "sum_field")
     assert ds.attention_module.values.tolist() == ["blocks.0.attn", "blocks.1.attn"]
     assert ds.attrs["schema_version"] == SCHEMA_VERSION
     # sizes other than the defaults make another case: its id carries a hash of them
-    assert ds.attrs["case"].startswith("gpt-softmax-fp8-block-") and ds.attrs["case"] == case_id(RunSpec.from_json(ds.attrs["spec"]))
-    assert RunSpec.from_json(ds.attrs["spec"]) == RunSpec(recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT)
+    assert ds.attrs["case"].startswith("gpt-softmax-fp8-block-") and ds.attrs["case"] == case_id(
+        RunSpec.from_json(ds.attrs["spec"])
+    )
+    assert RunSpec.from_json(ds.attrs["spec"]) == RunSpec(
+        recipe="fp8-block", extra_formats=("mxfp8", "nvfp4"), **TINY_GPT
+    )
     assert ds.attrs["package_version"] == precision_suite.__version__
     fingerprint = json.loads(ds.attrs["fingerprint"])
     assert fingerprint["threads"] == 1 and fingerprint["torch"] == torch.__version__
@@ -135,7 +140,10 @@ def test_run_restores_threads_and_rng_and_reports_progress():
     [
         ({"model": "bert"}, "unknown model 'bert'; choose one of vit, gpt"),
         ({"attention": "tanh"}, "unknown attention 'tanh'; known: .*softmax"),
-        ({"recipe": "fp6"}, "unknown recipe 'fp6': use fp32, fp8-block, fp8-hybrid, mxfp8, nvfp4, nvfp4-training"),
+        (
+            {"recipe": "fp6"},
+            "unknown recipe 'fp6': use fp32, fp8-block, fp8-hybrid, mxfp8, nvfp4, nvfp4-training",
+        ),
         ({"extra_formats": ("int8",)}, "bad quantization scheme 'int8'"),
         ({"extra_formats": ("e4m3:1x128",)}, "'fp8-block' already measures"),
         ({"steps": 0}, "steps must be a positive integer, got 0"),
@@ -151,7 +159,10 @@ def test_run_restores_threads_and_rng_and_reports_progress():
         ({"name": 7}, "name must be 1 to 80 letters"),
         ({"modules": "blocks.*"}, r"modules must be a list of globs over module names.*got 'blocks.\*'"),
         ({"modules": ("blocks.*", "")}, "modules must be a list of globs"),
-        ({"modules": ("blocks.9.*",)}, r"modules pattern 'blocks.9.\*' matches none of the 9 linear-like modules"),
+        (
+            {"modules": ("blocks.9.*",)},
+            r"modules pattern 'blocks.9.\*' matches none of the 9 linear-like modules",
+        ),
     ],
 )
 def test_bad_specs_fail_before_training_with_what_is_allowed(change, message, monkeypatch):
@@ -189,25 +200,42 @@ def test_case_ids_are_filename_safe(spec, expected):
 
 def test_everything_that_defines_a_case_is_in_its_id_and_the_host_is_not():
     base = RunSpec(model="gpt", recipe="fp8-block")
-    variants = [RunSpec(model="gpt", recipe="fp8-block", **{field: value}) for field, value in
-                [("depth", 2), ("width", 64), ("steps", 20), ("sample_every", 5), ("seq_len", 32),
-                 ("extra_formats", ("mxfp8",)), ("lr", 1e-4), ("batch_size", 4)]]
+    variants = [
+        RunSpec(model="gpt", recipe="fp8-block", **{field: value})
+        for field, value in [
+            ("depth", 2),
+            ("width", 64),
+            ("steps", 20),
+            ("sample_every", 5),
+            ("seq_len", 32),
+            ("extra_formats", ("mxfp8",)),
+            ("lr", 1e-4),
+            ("batch_size", 4),
+        ]
+    ]
     ids = [case_id(spec) for spec in (base, *variants)]
     assert len(set(ids)) == len(ids)
-    assert all(i.startswith("gpt-softmax-fp8-block-") and len(i) == len("gpt-softmax-fp8-block-") + 8 for i in ids[1:])
+    assert all(
+        i.startswith("gpt-softmax-fp8-block-") and len(i) == len("gpt-softmax-fp8-block-") + 8
+        for i in ids[1:]
+    )
     # seeds draw members of one case's ensemble; threads and device are the host's
     for host in [{"seed": 7}, {"threads": 2}, {"device": "cpu"}]:
         assert case_id(RunSpec(model="gpt", recipe="fp8-block", **host)) == ids[0]
 
 
 def test_a_named_case_is_its_name_and_a_hash_of_what_it_trains():
-    named = [RunSpec(name="tiny", **fields) for fields in
-             [{}, {"model": "vit"}, {"attention": "x/1"}, {"recipe": "fp8-block"}, {"steps": 20}]]
+    named = [
+        RunSpec(name="tiny", **fields)
+        for fields in [{}, {"model": "vit"}, {"attention": "x/1"}, {"recipe": "fp8-block"}, {"steps": 20}]
+    ]
     ids = [case_id(spec) for spec in named]
     assert len(set(ids)) == len(ids)  # one name, different things trained: different ids
     assert all(re.fullmatch(r"tiny-[0-9a-f]{8}", i) for i in ids)
     # the hash says what is trained: a renamed case keeps it, the host changes nothing
-    assert case_id(RunSpec(name="other.name", model="vit")).removeprefix("other.name") == ids[1].removeprefix("tiny")
+    assert case_id(RunSpec(name="other.name", model="vit")).removeprefix("other.name") == ids[1].removeprefix(
+        "tiny"
+    )
     for host in [{"seed": 7}, {"threads": 2}, {"device": "cpu"}]:
         assert case_id(RunSpec(name="tiny", model="vit", **host)) == ids[1]
     # a named case never takes the id of an unnamed one
@@ -241,15 +269,23 @@ def test_modules_define_the_case_and_what_its_dataset_holds():
     short = dataclasses.replace(first_block, steps=1)
     ds = run(short)
     assert ds.attrs["case"] == case_id(short)
-    assert ds.module.values.tolist() == ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1",
-                                         "blocks.0.mlp.fc2", "head"]
+    assert ds.module.values.tolist() == [
+        "blocks.0.attn.qkv",
+        "blocks.0.attn.proj",
+        "blocks.0.mlp.fc1",
+        "blocks.0.mlp.fc2",
+        "head",
+    ]
 
 
 def test_a_users_model_batches_and_attention_run_from_import_strings():
-    spec = RunSpec(model="user_code:build", batches="user_code:batches", steps=2, sample_every=1,
-                   recipe="fp8-block")
+    spec = RunSpec(
+        model="user_code:build", batches="user_code:batches", steps=2, sample_every=1, recipe="fp8-block"
+    )
     ds = run(spec)
-    assert ds.attrs["case"] == case_id(spec) and case_id(spec).startswith("user_code-build-softmax-fp8-block-")
+    assert ds.attrs["case"] == case_id(spec) and case_id(spec).startswith(
+        "user_code-build-softmax-fp8-block-"
+    )
     assert ds.module.values.tolist()[:2] == ["h.0.attn.c_attn", "h.0.attn.c_proj"]
     assert ds.attention_module.values.tolist() == ["h.0.attn", "h.1.attn"]  # read from SDPA
     assert ds.attrs["N"] == 32 and ds.tokens.values.tolist() == [256, 512]
@@ -258,14 +294,29 @@ def test_a_users_model_batches_and_attention_run_from_import_strings():
     assert (custom.attention_norm >= 1).all()
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"model": "user_code:build"}, "batches: model 'user_code:build' is a user's model"),
-    ({"model": "user_code:nothing", "batches": "user_code:batches"}, "model: module 'user_code' has no attribute 'nothing'"),
-    ({"model": "no_such_pkg:build", "batches": "user_code:batches"}, "model: cannot import 'no_such_pkg'"),
-    ({"model": "user_code:VOCAB", "batches": "user_code:batches"}, "model: 'user_code:VOCAB' is a int, not a callable"),
-    ({"model": "vit", "batches": "user_code:batches"}, "batches: the built-in 'vit' model trains on its own data"),
-    ({"attention": "user_code:missing"}, "attention: module 'user_code' has no attribute 'missing'"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": "user_code:build"}, "batches: model 'user_code:build' is a user's model"),
+        (
+            {"model": "user_code:nothing", "batches": "user_code:batches"},
+            "model: module 'user_code' has no attribute 'nothing'",
+        ),
+        (
+            {"model": "no_such_pkg:build", "batches": "user_code:batches"},
+            "model: cannot import 'no_such_pkg'",
+        ),
+        (
+            {"model": "user_code:VOCAB", "batches": "user_code:batches"},
+            "model: 'user_code:VOCAB' is a int, not a callable",
+        ),
+        (
+            {"model": "vit", "batches": "user_code:batches"},
+            "batches: the built-in 'vit' model trains on its own data",
+        ),
+        ({"attention": "user_code:missing"}, "attention: module 'user_code' has no attribute 'missing'"),
+    ],
+)
 def test_bad_import_strings_name_the_field(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RunSpec(**fields).validate()
@@ -278,20 +329,33 @@ def test_an_import_that_fails_says_what_is_missing_and_where_it_was_looked_for(t
     try:
         with project_importable(tmp_path):
             # a name found nowhere: where it was looked for, not "run from the project root"
-            with pytest.raises(ValueError, match=re.escape(
+            with pytest.raises(
+                ValueError,
+                match=re.escape(
                     f"model: cannot import 'ergo_missing.models': no module 'ergo_missing' under {tmp_path.resolve()} "
                     "(the project root: the current directory, under pytest its rootdir) nor among the installed "
                     "packages; check the name (a ergo_missing.py file or a ergo_missing/ folder with an "
-                    "__init__.py)")):
+                    "__init__.py)"
+                ),
+            ):
                 load_object("ergo_missing.models:build", "model")
             # the package is there, its module is not: a misspelt name
-            with pytest.raises(ValueError, match=re.escape(
+            with pytest.raises(
+                ValueError,
+                match=re.escape(
                     f"model: cannot import 'ergo_pkg.modle': package 'ergo_pkg' (in {tmp_path.resolve() / 'ergo_pkg'}) "
-                    "has no module 'modle'; check the name")):
+                    "has no module 'modle'; check the name"
+                ),
+            ):
                 load_object("ergo_pkg.modle:build", "model")
             # the module is there but its own import is not: not a question of where it is
-            with pytest.raises(ValueError, match=re.escape("batches: importing 'ergo_dependent' failed: No module "
-                                                           "named 'ergo_not_installed'; install what it imports")):
+            with pytest.raises(
+                ValueError,
+                match=re.escape(
+                    "batches: importing 'ergo_dependent' failed: No module "
+                    "named 'ergo_not_installed'; install what it imports"
+                ),
+            ):
                 load_object("ergo_dependent:batch", "batches")
     finally:
         sys.modules.pop("ergo_pkg", None)
@@ -322,7 +386,9 @@ def test_a_small_run_stays_eager_and_its_estimate_counts_every_quantized_element
     monkeypatch.setattr(metrics, "check_tensor", counting_check)
     # an empty table of compiled functions: every compiled call would have to compile first
     monkeypatch.setattr(quantization, "_compiled", {})
-    monkeypatch.setattr(quantization, "_compile", lambda *args: pytest.fail("a small run compiled a quantizer"))
+    monkeypatch.setattr(
+        quantization, "_compile", lambda *args: pytest.fail("a small run compiled a quantizer")
+    )
     spec = RunSpec(model="gpt", depth=1, steps=3, sample_every=2, recipe=recipe).validate()
     torch.manual_seed(0)
     trainer = runs.Trainer(spec, torch.device("cpu"))
@@ -357,4 +423,8 @@ def test_compile_1_compiles_even_a_small_run(monkeypatch):
     monkeypatch.setattr(quantization, "_compile", record)
     monkeypatch.setenv("PRECISION_SUITE_COMPILE", "1")
     run(RunSpec(model="gpt", depth=1, steps=1, recipe="fp8-block"))
-    assert ("_block_sums", "e4m3", (1, 128)) in compiled and ("dequantize_blocks", "e4m3", (1, 128)) in compiled
+    assert ("_block_sums", "e4m3", (1, 128)) in compiled and (
+        "dequantize_blocks",
+        "e4m3",
+        (1, 128),
+    ) in compiled

@@ -48,21 +48,29 @@ sample_every = 5
 def wrong_scale(monkeypatch):
     """Block scales 256x too large: amax / 1.75 (E4M3's largest mantissa) instead of amax / 448."""
     original = quantization.block_scales
-    monkeypatch.setattr(quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 256)
+    monkeypatch.setattr(
+        quantization,
+        "block_scales",
+        lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 256,
+    )
 
 
 def scale_four_times_too_large(monkeypatch):
     """Block scales 4x too large: two binades lost at the bottom of every block (a few elements)."""
     original = quantization.block_scales
-    monkeypatch.setattr(quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 4)
+    monkeypatch.setattr(
+        quantization, "block_scales", lambda amax, fmt, pow2_scale=False: original(amax, fmt, pow2_scale) * 4
+    )
 
 
 def truncating_rounding(monkeypatch):
     """Round toward zero instead of to nearest (ties to even)."""
+
     def truncate(y, element):
         exp_bits = (y.view(torch.int32) & 0x7F800000).clamp(min=(element.emin + 127) << 23)
         quantum = (exp_bits - (element.man_bits << 23)).view(torch.float32)
         return torch.trunc(y / quantum) * quantum
+
     monkeypatch.setattr(quantization, "round_to_element", truncate)
 
 
@@ -87,8 +95,13 @@ def switched_on_late(monkeypatch, plant, onset: int = LATE_ONSET):
         return original_step(self, index, sample)
 
     monkeypatch.setattr(runs.Trainer, "step", step)
-    monkeypatch.setattr(quantization, "block_scales", lambda *args, **kwargs: (
-        broken_scales if state["step"] >= onset else original_scales)(*args, **kwargs))
+    monkeypatch.setattr(
+        quantization,
+        "block_scales",
+        lambda *args, **kwargs: (broken_scales if state["step"] >= onset else original_scales)(
+            *args, **kwargs
+        ),
+    )
 
 
 def wrong_scale_from_a_trained_step(monkeypatch):
@@ -153,17 +166,42 @@ def project(tmp_path_factory):
 
     def build(root: Path) -> None:
         (root / "cases.toml").write_text(CONFIG)
-        assert cli.main(["baseline", "update", "--workers", "1", "--config", str(root / "cases.toml"),
-                         "--baseline-dir", str(root / "baselines")]) == 0
+        assert (
+            cli.main(
+                [
+                    "baseline",
+                    "update",
+                    "--workers",
+                    "1",
+                    "--config",
+                    str(root / "cases.toml"),
+                    "--baseline-dir",
+                    str(root / "baselines"),
+                ]
+            )
+            == 0
+        )
 
     return built_once(tmp_path_factory, "teeth", build)
 
 
 def _run(project, report: str) -> tuple[int, dict]:
     # one worker: the plants patch this process
-    status = cli.main(["run", "--workers", "1", "--config", str(project / "cases.toml"),
-                       "--baseline-dir", str(project / "baselines"), "--report-dir", str(project / report),
-                       "--rules", str(PYPROJECT)])
+    status = cli.main(
+        [
+            "run",
+            "--workers",
+            "1",
+            "--config",
+            str(project / "cases.toml"),
+            "--baseline-dir",
+            str(project / "baselines"),
+            "--report-dir",
+            str(project / report),
+            "--rules",
+            str(PYPROJECT),
+        ]
+    )
     return status, json.loads((project / report / "summary.json").read_text())
 
 
@@ -219,8 +257,11 @@ def test_a_bug_that_starts_late_fails_its_replay(project, plant, monkeypatch):
     case = _failing_case(project, plant, monkeypatch, LATE_PLANTS[plant], f"late-{plant.__name__}")
     replayed = [f for f in case["findings"] if f["kind"] == "regression" and "replayed_from" in f["where"]]
     assert replayed, [f["message"] for f in case["findings"]]
-    first_points = [f for f in case["findings"] if "replayed_from" not in f["where"]
-                    and 0 in (f["where"].get("step"), f["where"].get("train_step"))]
+    first_points = [
+        f
+        for f in case["findings"]
+        if "replayed_from" not in f["where"] and 0 in (f["where"].get("step"), f["where"].get("train_step"))
+    ]
     assert first_points == []  # the bug starts late: step 0 is as it was
     assert any(chart.endswith("-replay.png") for chart in case["charts"])
 
@@ -234,7 +275,9 @@ def test_quantizer_plants_reach_both_paths(numel, monkeypatch):
     for plant in (wrong_scale, scale_four_times_too_large, truncating_rounding):
         with monkeypatch.context() as m:
             plant(m)
-            assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean), plant.__name__
+            assert not torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean), (
+                plant.__name__
+            )
     assert torch.equal(quantization.quantize(x, "e4m3", (1, 128)).dequantized, clean)
 
 
@@ -251,17 +294,33 @@ def test_calibrate_counts_no_false_alarm_on_unchanged_code(project):
     """The calibration a team runs on its CI runners: rounding perturbations, held-out seeds and
     every baseline seed left out of its ensemble; unchanged code raises no alarm."""
     report = project / "calibration"
-    status = cli.main(["calibrate", "--workers", "1", "--config", str(project / "cases.toml"),
-                       "--baseline-dir", str(project / "baselines"), "--report-dir", str(report),
-                       "--rules", str(PYPROJECT), "--held-out-seeds", "100"])
+    status = cli.main(
+        [
+            "calibrate",
+            "--workers",
+            "1",
+            "--config",
+            str(project / "cases.toml"),
+            "--baseline-dir",
+            str(project / "baselines"),
+            "--report-dir",
+            str(report),
+            "--rules",
+            str(PYPROJECT),
+            "--held-out-seeds",
+            "100",
+        ]
+    )
     table = json.loads((report / "calibration.json").read_text())
     assert status == 0, [row for row in table["runs"] if row["status"] != "pass"]
     labels = {(row["case"], row["perturbation"]) for row in table["runs"]}
     for case in ("vit-x-1-fp32", "gpt-softmax-fp8-block"):
         case = next(c for c, _ in labels if c.startswith(case))
         assert {p for c, p in labels if c == case} == {
-            *(twin.name for twin in rounding_twins()), "seed 100",
+            *(twin.name for twin in rounding_twins()),
+            "seed 100",
             *(f"seed {s} left out" for s in ENSEMBLE_SEEDS),
-            *(f"replay, {twin.name} left out of the tolerance" for twin in rounding_twins())}
+            *(f"replay, {twin.name} left out of the tolerance" for twin in rounding_twins()),
+        }
     assert all(sum(row["false_alarms"].values()) == 0 for row in table["runs"])
     assert set(table["detectable_change"]) == {c for c, _ in labels}

@@ -89,8 +89,10 @@ class Fp8MLP(nn.Module):
 
     def __init__(self, depth: int = 2, width: int = 64):
         super().__init__()
-        fp8 = {"gradients": GRADIENTS[os.environ.get("USER_FP8_GRADIENTS", "e5m2")],
-               "rounding": os.environ.get("USER_FP8_ROUNDING", "nearest")}
+        fp8 = {
+            "gradients": GRADIENTS[os.environ.get("USER_FP8_GRADIENTS", "e5m2")],
+            "rounding": os.environ.get("USER_FP8_ROUNDING", "nearest"),
+        }
         self.embed = nn.Embedding(VOCAB, width)
         self.blocks = nn.ModuleList(Block(width, **fp8) for _ in range(depth))
         self.head = nn.Linear(width, VOCAB)

@@ -24,6 +24,11 @@ def build(spec) -> TinyGPT:
     model = TinyGPT(depth=spec.depth or 2, width=spec.width or 128, seq_len=spec.seq_len or 32)
     granularity = GRANULARITIES[os.environ.get("USER_QAT_GRANULARITY", "rowwise")]()
     head_in_fp8 = os.environ.get("USER_QAT_HEAD", "fp8") == "fp8"
-    quantize_(model, QATConfig(Float8DynamicActivationFloat8WeightConfig(granularity=granularity), step="prepare"),
-              filter_fn=lambda module, name: type(module).__name__ == "Linear" and (head_in_fp8 or name != "lm_head"))
+    quantize_(
+        model,
+        QATConfig(Float8DynamicActivationFloat8WeightConfig(granularity=granularity), step="prepare"),
+        filter_fn=lambda module, name: (
+            type(module).__name__ == "Linear" and (head_in_fp8 or name != "lm_head")
+        ),
+    )
     return model

@@ -49,7 +49,9 @@ class Recipe:
         self.rounding = os.environ.get("USER_QDQ_ROUNDING", "nearest")
 
 
-def fake_quantize(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
+def fake_quantize(
+    x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, recipe: Recipe
+) -> torch.Tensor:
     """x (2-D) cast to `dtype` per block (at most the tensor) and back: each block's amax maps to
     the recipe's fraction of the format's largest value; the result is q / scale."""
     rows, cols = x.shape
@@ -71,8 +73,10 @@ class QDQLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe):
         x2d = x.reshape(-1, x.shape[-1])
-        y = fake_quantize(x2d, (1, TILE), torch.float8_e4m3fn, recipe) @ \
-            fake_quantize(weight, recipe.weight_block, torch.float8_e4m3fn, recipe).t()
+        y = (
+            fake_quantize(x2d, (1, TILE), torch.float8_e4m3fn, recipe)
+            @ fake_quantize(weight, recipe.weight_block, torch.float8_e4m3fn, recipe).t()
+        )
         ctx.save_for_backward(x2d, weight)
         ctx.recipe, ctx.shape, ctx.has_bias = recipe, x.shape, bias is not None
         y = y if bias is None else y + bias
@@ -83,10 +87,12 @@ class QDQLinearFn(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         recipe = ctx.recipe
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = fake_quantize(dy2d, (1, TILE), recipe.gradients, recipe) @ \
-            fake_quantize(weight, recipe.weight_block, torch.float8_e4m3fn, recipe)
-        dw = fake_quantize(dy2d, (TILE, 1), recipe.gradients, recipe).t() @ \
-            fake_quantize(x2d, (TILE, 1), torch.float8_e4m3fn, recipe)
+        dx = fake_quantize(dy2d, (1, TILE), recipe.gradients, recipe) @ fake_quantize(
+            weight, recipe.weight_block, torch.float8_e4m3fn, recipe
+        )
+        dw = fake_quantize(dy2d, (TILE, 1), recipe.gradients, recipe).t() @ fake_quantize(
+            x2d, (TILE, 1), torch.float8_e4m3fn, recipe
+        )
         return dx.reshape(ctx.shape), dw, dy2d.sum(0) if ctx.has_bias else None, None
 
 

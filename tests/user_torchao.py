@@ -40,7 +40,9 @@ class MLPModel(nn.Module):
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.head = nn.Linear(width, VOCAB)
         # None: SDPA's default 1/sqrt(d)
-        self.attention_scale = 1 / width if os.environ.get("USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)") == "1/d" else None
+        self.attention_scale = (
+            1 / width if os.environ.get("USER_TORCHAO_ATTENTION_SCALE", "1/sqrt(d)") == "1/d" else None
+        )
 
     def forward(self, idx):
         x = self.embed(idx).unsqueeze(1)  # one head
@@ -57,6 +59,7 @@ def config(recipe: str | None = None) -> Float8LinearConfig:
 def build(spec) -> MLPModel:
     model = MLPModel(depth=spec.depth or 2, width=spec.width or 64)
     keep_head = os.environ.get("USER_TORCHAO_HEAD", "fp8") == "hp"
-    convert_to_float8_training(model, config=config(),
-                               module_filter_fn=lambda module, name: not (keep_head and name == "head"))
+    convert_to_float8_training(
+        model, config=config(), module_filter_fn=lambda module, name: not (keep_head and name == "head")
+    )
     return model

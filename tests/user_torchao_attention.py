@@ -78,12 +78,15 @@ class DecoderLM(nn.Module):
 
 def config() -> Float8LinearConfig:
     recipe = Float8LinearConfig.from_recipe_name(os.environ.get("USER_TORCHAO_LM_RECIPE", "tensorwise"))
-    return dataclasses.replace(recipe, round_scales_to_power_of_2=os.environ.get("USER_TORCHAO_LM_POW2_SCALES", "0") == "1")
+    return dataclasses.replace(
+        recipe, round_scales_to_power_of_2=os.environ.get("USER_TORCHAO_LM_POW2_SCALES", "0") == "1"
+    )
 
 
 def build(spec) -> DecoderLM:
     model = DecoderLM(depth=spec.depth or 2, width=spec.width or 64, seq_len=spec.seq_len or 32)
     keep_head = os.environ.get("USER_TORCHAO_LM_HEAD", "fp8") == "hp"
-    convert_to_float8_training(model, config=config(),
-                               module_filter_fn=lambda module, name: not (keep_head and name == "head"))
+    convert_to_float8_training(
+        model, config=config(), module_filter_fn=lambda module, name: not (keep_head and name == "head")
+    )
     return model

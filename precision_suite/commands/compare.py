@@ -17,13 +17,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from precision_suite.jobs.checking import compare_results
 
-    return compare_results(args.base, args.new, args.fail, rules_file=args.rules, report_dir=args.report_dir,
-                           charts=args.charts)
+    return compare_results(
+        args.base, args.new, args.fail, rules_file=args.rules, report_dir=args.report_dir, charts=args.charts
+    )
 
 
 COMMAND = Command(
-    "compare", help="compare saved results NEW against BASE (files or folders of .nc files)",
+    "compare",
+    help="compare saved results NEW against BASE (files or folders of .nc files)",
     description="Compare saved results NEW against BASE with the baseline tolerances and the "
-                "[tool.precision_suite] rules. BASE and NEW are .nc files or folders of them "
-                "(as written by `run --save-results`); cases are matched by case id.",
-    add_arguments=add_arguments, run=run)
+    "[tool.precision_suite] rules. BASE and NEW are .nc files or folders of them "
+    "(as written by `run --save-results`); cases are matched by case id.",
+    add_arguments=add_arguments,
+    run=run,
+)

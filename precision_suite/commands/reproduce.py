@@ -9,10 +9,15 @@ from precision_suite.reports.figure_names import DEFAULT_OUT, FIGURE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("figure", metavar="FIGURE", choices=FIGURE_NAMES,
-                        help=f"which figure: {' or '.join(FIGURE_NAMES)}")
-    parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
-                        help=f"folder for the figure, datasets and note (default: {DEFAULT_OUT}/)")
+    parser.add_argument(
+        "figure", metavar="FIGURE", choices=FIGURE_NAMES, help=f"which figure: {' or '.join(FIGURE_NAMES)}"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=DEFAULT_OUT,
+        help=f"folder for the figure, datasets and note (default: {DEFAULT_OUT}/)",
+    )
     add_execution(parser)
 
 
@@ -23,10 +28,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command(
-    "reproduce", help="longer runs that reproduce a seed figure and say which claims hold",
+    "reproduce",
+    help="longer runs that reproduce a seed figure and say which claims hold",
     description="Train the runs of one of the papers' figures (a few minutes on 2 cores), draw "
-                "it as the paper does, and write the figure (PNG), the datasets (netCDF) and a "
-                "Markdown note stating each qualitative claim of the paper and whether this "
-                "reproduction shows it, with the numbers. figure-a: attention norm of every "
-                "attention variant; figure-b: FP8 underflow and distortion per layer.",
-    add_arguments=add_arguments, run=run)
+    "it as the paper does, and write the figure (PNG), the datasets (netCDF) and a "
+    "Markdown note stating each qualitative claim of the paper and whether this "
+    "reproduction shows it, with the numbers. figure-a: attention norm of every "
+    "attention variant; figure-b: FP8 underflow and distortion per layer.",
+    add_arguments=add_arguments,
+    run=run,
+)

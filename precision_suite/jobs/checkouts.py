@@ -82,13 +82,23 @@ class Checkout:
         """Whether the tree holds a precision_suite package (precision-suite's own repository, or
         a project that vendors it): then its numerics are the commit's, not the tool's."""
         package = self.tree / "precision_suite"
-        return all((package / part).is_file() for part in ("__init__.py", "numerics/quantization.py",
-                                                           "training/recipes.py", "jobs/train_specs.py"))
+        return all(
+            (package / part).is_file()
+            for part in (
+                "__init__.py",
+                "numerics/quantization.py",
+                "training/recipes.py",
+                "jobs/train_specs.py",
+            )
+        )
 
     def describes(self) -> str:
         """Which code the side ran, for the output."""
-        tool = "precision-suite from the commit (the repository holds it)" if self.own_suite else \
-            f"this command's precision-suite {__version__}"
+        tool = (
+            "precision-suite from the commit (the repository holds it)"
+            if self.own_suite
+            else f"this command's precision-suite {__version__}"
+        )
         recipes = ", its config's recipe tables" if self.config is not None else ""
         return f"{self.side.name}: the project's code{recipes} and {tool}"
 
@@ -109,11 +119,19 @@ class Checkout:
     def command(self, *args: str) -> list[str]:
         """The driver (jobs/train_specs.py) of the running tool, run by its path: its options are
         the ones this command passes, its imports resolve to the side's precision_suite."""
-        return [sys.executable, "-c", _RUN_PATH, str(self.tool / "precision_suite" / "jobs" / "train_specs.py"), *args]
+        return [
+            sys.executable,
+            "-c",
+            _RUN_PATH,
+            str(self.tool / "precision_suite" / "jobs" / "train_specs.py"),
+            *args,
+        ]
 
 
 # runpy.run_path, not -m: the driver is the tool's, the package it imports the side's PYTHONPATH gives
-_RUN_PATH = "import runpy, sys; sys.path.pop(0); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
+_RUN_PATH = (
+    "import runpy, sys; sys.path.pop(0); sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def side_environment(tool: Path, root: Path, tree: Path, own_suite: bool = False) -> dict[str, str]:
@@ -123,9 +141,16 @@ def side_environment(tool: Path, root: Path, tree: Path, own_suite: bool = False
     into `tree`); no bytecode written into the user's tree."""
     entries = [str(tree), str(tool)] if own_suite else [str(tool)]
     entries += [str(moved(Path.cwd(), root, tree))]
-    entries += [str(moved(Path(entry), root, tree)) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                if entry]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(entries)), "PYTHONDONTWRITEBYTECODE": "1"}
+    entries += [
+        str(moved(Path(entry), root, tree))
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry
+    ]
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(entries)),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 def moved(path: Path, root: Path, tree: Path) -> Path:
@@ -146,16 +171,22 @@ def side_tree(side: Side, root: Path) -> Iterator[Path]:
             yield tree
 
 
-def train_side(code: Checkout, specs: Sequence[RunSpec], out: Path, workers: int | None,
-               baseline_dir: str | None = None) -> SideRuns:
+def train_side(
+    code: Checkout, specs: Sequence[RunSpec], out: Path, workers: int | None, baseline_dir: str | None = None
+) -> SideRuns:
     """Every spec trained with `code` (and replayed from the state stored beside its baseline in
     `baseline_dir`, where it has one), saved in `out` too; UsageError "<side> cannot run: <reason>"."""
-    options = [*(["--workers", str(workers)] if workers else []),
-               *(["--stored-replays", str(Path(baseline_dir).resolve())] if baseline_dir else [])]
+    options = [
+        *(["--workers", str(workers)] if workers else []),
+        *(["--stored-replays", str(Path(baseline_dir).resolve())] if baseline_dir else []),
+    ]
     run_side(code, specs, out, f"training {len(specs)} case(s)", *options)
     runs = {case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec))) for spec in specs}
-    replays = {case_id(spec): files.load_dataset(path) for spec in specs
-               if (path := results.replay_result_path(str(out), case_id(spec))).is_file()}
+    replays = {
+        case_id(spec): files.load_dataset(path)
+        for spec in specs
+        if (path := results.replay_result_path(str(out), case_id(spec))).is_file()
+    }
     return SideRuns(runs, replays)
 
 
@@ -168,9 +199,14 @@ def run_side(code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str, *o
     cwd = moved(Path.cwd(), code.root, code.tree)
     print(f"{code.side.name}: {doing}", file=sys.stderr, flush=True)
     last = ""
-    with subprocess.Popen(code.command(str(specs_file), str(out), *options), cwd=cwd if cwd.is_dir() else code.tree,
-                          env=code.environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as process:
+    with subprocess.Popen(
+        code.command(str(specs_file), str(out), *options),
+        cwd=cwd if cwd.is_dir() else code.tree,
+        env=code.environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
         try:
             for line in process.stdout:  # progress, then (on failure) the reason as the last line
                 print(f"  {code.side.label} | {line.rstrip()}", file=sys.stderr, flush=True)
@@ -183,25 +219,37 @@ def run_side(code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str, *o
         raise UsageError(f"{code.side.name} cannot run: {last or f'exit status {status}'}")
 
 
-def first_step_noise(code: Checkout, specs: Sequence[RunSpec], runs: Mapping[str, xr.Dataset],
-                     out: Path) -> dict[str, dict[str, float]]:
+def first_step_noise(
+    code: Checkout, specs: Sequence[RunSpec], runs: Mapping[str, xr.Dataset], out: Path
+) -> dict[str, dict[str, float]]:
     """case -> the rounding noise of its first point (verdicts.stored_replays.twin_tolerance),
     from the first step of each spec trained by `code` under every rounding twin."""
     if not specs:
         return {}
-    run_side(code, specs, out, f"the first step of {len(specs)} case(s) under each rounding twin",
-              "--first-step-twins")
-    return {case_id(spec): twin_tolerance([runs[case_id(spec)]], load_twins(out, case_id(spec))) for spec in specs}
+    run_side(
+        code,
+        specs,
+        out,
+        f"the first step of {len(specs)} case(s) under each rounding twin",
+        "--first-step-twins",
+    )
+    return {
+        case_id(spec): twin_tolerance([runs[case_id(spec)]], load_twins(out, case_id(spec))) for spec in specs
+    }
 
 
-def replay_side(code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str,
-            *options: str) -> tuple[dict[str, xr.Dataset], dict[str, str]]:
+def replay_side(
+    code: Checkout, specs: Sequence[RunSpec], out: Path, doing: str, *options: str
+) -> tuple[dict[str, xr.Dataset], dict[str, str]]:
     """(case -> replay, case -> why it could not run) of `specs` replayed by `code`."""
     try:
         run_side(code, specs, out, doing, *options)
     except UsageError as exc:  # the whole side: every case says why
         return {}, dict.fromkeys(map(case_id, specs), str(exc))
     problems = json.loads((out / PROBLEMS).read_text())
-    replays = {case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec)))
-               for spec in specs if case_id(spec) not in problems}
+    replays = {
+        case_id(spec): files.load_dataset(results.result_path(str(out), case_id(spec)))
+        for spec in specs
+        if case_id(spec) not in problems
+    }
     return replays, {case: f"{code.side.name} cannot replay: {reason}" for case, reason in problems.items()}

@@ -51,8 +51,9 @@ Done = Callable[[int, "Task", float], None]
 FORWARDED_ENV_PREFIX = "PRECISION_SUITE_"
 # Read by ATen, MKL, oneDNN or OpenMP once, when they load: a run that sets one needs a process of
 # its own, since setting it around a run in a process that has loaded torch changes nothing.
-PROCESS_START_ENV = frozenset({"ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
-                               "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS"})
+PROCESS_START_ENV = frozenset(
+    {"ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS"}
+)
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,10 @@ def train_here(task: Task) -> xr.Dataset:
 # `python -m` would put the working directory first on sys.path, ahead of PYTHONPATH: in a
 # commit's checkout under `diff`, which may hold a precision_suite of its own (or its own `git`,
 # `train`... modules).
-_BOOTSTRAP = ("import runpy, sys; sys.path.pop(0); sys.argv.pop(0); "
-              "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+_BOOTSTRAP = (
+    "import runpy, sys; sys.path.pop(0); sys.argv.pop(0); "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
 
 
 def fresh_interpreter(module: str, *args: str) -> list[str]:
@@ -126,21 +129,31 @@ def run_in_fresh_process(task: Task) -> xr.Dataset:
         out = Path(folder) / "run.nc"
         command = fresh_interpreter("precision_suite.jobs.fresh_run", str(out))
         if task.replay_from is not None:
-            command += ["--replay", str(save_dataset(task.replay_from, Path(folder) / "state.nc", compress=False))]
+            command += [
+                "--replay",
+                str(save_dataset(task.replay_from, Path(folder) / "state.nc", compress=False)),
+            ]
         if task.keep_state:
             command.append("--keep-state")
         if task.replay_at is not None:
             command += ["--replay-at", str(task.replay_at)]
         # the working directory stays importable (the user's model packages), after PYTHONPATH
         path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH", ""), os.getcwd()]))
-        done = subprocess.run(command, input=task.spec.to_json(), text=True, capture_output=True,
-                              env={**os.environ, "PYTHONPATH": path, **task.env})
+        done = subprocess.run(
+            command,
+            input=task.spec.to_json(),
+            text=True,
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": path, **task.env},
+        )
         if done.returncode == EXIT_USAGE:  # a bad spec: the same error as in this process
             raise ValueError(done.stderr.strip())
         if done.returncode != 0:
             settings = " ".join(f"{k}={v}" for k, v in task.env.items())
-            raise RuntimeError(f"the run of {task.label or task.spec} in a fresh process ({settings}) "
-                               f"failed: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"the run of {task.label or task.spec} in a fresh process ({settings}) "
+                f"failed: {done.stderr.strip()[-2000:]}"
+            )
         return load_dataset(out)
 
 
@@ -163,13 +176,16 @@ def scheduler_address(text: str) -> str:
     """`text` if it is a Dask scheduler address `tcp://HOST:PORT`; ValueError saying how to write one."""
     match = _SCHEDULER_ADDRESS.fullmatch(text)
     if match is None or not 1 <= int(match[2]) <= 65535:
-        raise ValueError(f"{text!r} is not a Dask scheduler address; write tcp://HOST:PORT as "
-                         "`dask scheduler` prints it, e.g. tcp://10.0.0.5:8786")
+        raise ValueError(
+            f"{text!r} is not a Dask scheduler address; write tcp://HOST:PORT as "
+            "`dask scheduler` prints it, e.g. tcp://10.0.0.5:8786"
+        )
     return text
 
 
-def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None, *,
-              scheduler: str | None = None) -> list[xr.Dataset]:
+def run_tasks(
+    tasks: Sequence[Task], workers: int = 1, done: Done | None = None, *, scheduler: str | None = None
+) -> list[xr.Dataset]:
     """Train every task and return the datasets in task order; `done(index, task, seconds)` after
     each one, in the order they finish (progress).
 
@@ -192,8 +208,9 @@ def run_tasks(tasks: Sequence[Task], workers: int = 1, done: Done | None = None,
     context = multiprocessing.get_context("spawn")  # no forked torch thread pools
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context) as pool:
         futures = {pool.submit(run_task, tasks[index]): index for index in longest_first(tasks)}
-        return _gather(tasks, futures, concurrent.futures.as_completed(futures), done, started,
-                       lost=(BrokenProcessPool,))
+        return _gather(
+            tasks, futures, concurrent.futures.as_completed(futures), done, started, lost=(BrokenProcessPool,)
+        )
 
 
 def longest_first(tasks: Sequence[Task]) -> list[int]:
@@ -201,6 +218,7 @@ def longest_first(tasks: Sequence[Task]) -> list[int]:
     (`RunSpec.relative_work`), ties in task order. A long run started last would train alone at
     the end while the other workers idle. A spec too broken to estimate goes first, so that its
     run fails at once with the validation's own message."""
+
     def work(task: Task) -> float:
         try:
             return task.spec.relative_work()
@@ -211,8 +229,14 @@ def longest_first(tasks: Sequence[Task]) -> list[int]:
     return sorted(range(len(tasks)), key=lambda index: -estimates[index])
 
 
-def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterable[Any],
-            done: Done | None, started: float, lost: tuple[type[BaseException], ...]) -> list[Any]:
+def _gather(
+    tasks: Sequence[Task],
+    futures: Mapping[Any, int],
+    finished: Iterable[Any],
+    done: Done | None,
+    started: float,
+    lost: tuple[type[BaseException], ...],
+) -> list[Any]:
     """The results of `futures` (future -> task index) in task order, taken as `finished` yields
     them (a pool's or Dask's as_completed); `lost`: the errors meaning that a worker process or
     the scheduler went away with the run."""
@@ -226,9 +250,11 @@ def _gather(tasks: Sequence[Task], futures: Mapping[Any, int], finished: Iterabl
         except lost as exc:
             task = tasks[index]
             detail = " ".join(str(exc).split())  # Dask's messages run over several lines
-            raise ExecutorError(f"lost the run of {task.label or case_id(task.spec)}"
-                                + f" ({type(exc).__name__}: {detail}); look for the cause (a worker out "
-                                "of memory? the scheduler stopped?) in the logs of the workers") from exc
+            raise ExecutorError(
+                f"lost the run of {task.label or case_id(task.spec)}"
+                + f" ({type(exc).__name__}: {detail}); look for the cause (a worker out "
+                "of memory? the scheduler stopped?) in the logs of the workers"
+            ) from exc
         if done:
             done(index, tasks[index], time.monotonic() - started)
     return results
@@ -245,8 +271,10 @@ def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started
     try:
         import distributed
     except ImportError as exc:
-        raise ExecutorError(f"running on a Dask cluster needs dask.distributed, which is not "
-                            f"installed ({exc}); install it with: {DASK_INSTALL_HINT}") from None
+        raise ExecutorError(
+            f"running on a Dask cluster needs dask.distributed, which is not "
+            f"installed ({exc}); install it with: {DASK_INSTALL_HINT}"
+        ) from None
     _check_scheduler(address)
     try:
         client = distributed.Client(address, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
@@ -256,19 +284,33 @@ def _run_on_dask(tasks: Sequence[Task], address: str, done: Done | None, started
         try:
             client.wait_for_workers(1, timeout=CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError):
-            raise ExecutorError(f"the Dask scheduler at {address} has no workers; start some with "
-                                f"`dask worker {address} --nthreads 1`") from None
+            raise ExecutorError(
+                f"the Dask scheduler at {address} has no workers; start some with "
+                f"`dask worker {address} --nthreads 1`"
+            ) from None
         # pure=False: two equal tasks are two runs. The scheduler gives a lost worker's tasks to
         # other workers, up to distributed.scheduler.allowed-failures times, then KilledWorker;
         # a lost scheduler cancels every future.
         # the scheduler runs higher priorities first (and, among equal ones, the earlier submitted)
         order = longest_first(tasks)
-        futures = {client.submit(run_task_exclusively, _with_local_settings(tasks[index]), pure=False,
-                                 priority=len(order) - rank): index
-                   for rank, index in enumerate(order)}
+        futures = {
+            client.submit(
+                run_task_exclusively,
+                _with_local_settings(tasks[index]),
+                pure=False,
+                priority=len(order) - rank,
+            ): index
+            for rank, index in enumerate(order)
+        }
         finished = distributed.as_completed(futures, loop=client.loop)  # not the default client's
-        return _gather(tasks, futures, finished, done, started,
-                       lost=(distributed.KilledWorker, distributed.CancelledError))
+        return _gather(
+            tasks,
+            futures,
+            finished,
+            done,
+            started,
+            lost=(distributed.KilledWorker, distributed.CancelledError),
+        )
 
 
 def _check_scheduler(address: str) -> None:
@@ -283,19 +325,26 @@ def _check_scheduler(address: str) -> None:
 
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as thread:  # an event loop of its own, whatever
-            info = thread.submit(                                  # loop the caller's thread runs
-                asyncio.run, asyncio.wait_for(identity(), CONNECT_TIMEOUT_S)).result()
+            info = thread.submit(  # loop the caller's thread runs
+                asyncio.run, asyncio.wait_for(identity(), CONNECT_TIMEOUT_S)
+            ).result()
     except (OSError, asyncio.TimeoutError) as exc:
         raise ExecutorError(_unreachable(address, exc)) from None
     except Exception as exc:  # whatever a server of another protocol makes the Dask comm raise
-        raise ExecutorError(f"the server at {address} does not answer as a Dask scheduler "
-                            f"({type(exc).__name__}: {exc}); give the address `dask scheduler` "
-                            "prints") from None
+        raise ExecutorError(
+            f"the server at {address} does not answer as a Dask scheduler "
+            f"({type(exc).__name__}: {exc}); give the address `dask scheduler` "
+            "prints"
+        ) from None
     if info.get("type") != "Scheduler":
-        raise ExecutorError(f"{address} is a Dask {info.get('type', 'server')}, not a scheduler; "
-                            "give the address `dask scheduler` prints")
+        raise ExecutorError(
+            f"{address} is a Dask {info.get('type', 'server')}, not a scheduler; "
+            "give the address `dask scheduler` prints"
+        )
 
 
 def _unreachable(address: str, exc: BaseException) -> str:
-    return (f"no Dask scheduler answered at {address} within {CONNECT_TIMEOUT_S:g} s "
-            f"({str(exc) or type(exc).__name__}); check the address, or start one with `dask scheduler`")
+    return (
+        f"no Dask scheduler answered at {address} within {CONNECT_TIMEOUT_S:g} s "
+        f"({str(exc) or type(exc).__name__}); check the address, or start one with `dask scheduler`"
+    )

@@ -45,9 +45,17 @@ from precision_suite.verdicts.judge import blocks
 SKIP = 125  # git bisect run: this commit cannot be tested
 
 
-def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, strict: bool | None = None,
-                   metric: str | None = None, rules_file: str = DEFAULT_RULES_FILE,
-                   baseline_dir: str = DEFAULT_BASELINE_DIR, workers: int | None = None) -> int:
+def bisect_commits(
+    good_ref: str,
+    bad_ref: str,
+    selection: Selection,
+    *,
+    strict: bool | None = None,
+    metric: str | None = None,
+    rules_file: str = DEFAULT_RULES_FILE,
+    baseline_dir: str = DEFAULT_BASELINE_DIR,
+    workers: int | None = None,
+) -> int:
     """Find and print the first commit after GOOD whose `diff GOOD` fails (of `metric` only, when
     given; judged as `diff` judges: beyond noise, or any change with `strict`): 1 when found (a
     regression), 0 when BAD itself passes against GOOD."""
@@ -57,8 +65,10 @@ def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, strict:
     if good.sha == bad.sha:
         raise UsageError(f"GOOD and BAD are the same commit {good.sha[:7]}; give an older GOOD")
     if git.is_dirty(root):
-        raise UsageError("the working tree has uncommitted changes and bisect checks other commits out "
-                         "in it; commit or stash them first (`git status`)")
+        raise UsageError(
+            "the working tree has uncommitted changes and bisect checks other commits out "
+            "in it; commit or stash them first (`git status`)"
+        )
     if git.is_bisecting(root):
         raise UsageError("a git bisect is already in progress here; end it with `git bisect reset`")
     specs = selected_specs(selection, validate=False)  # read once: every step trains the same specs
@@ -67,14 +77,24 @@ def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, strict:
     config = Path(selection.config).resolve() if selection.config else None
     with tempfile.TemporaryDirectory(prefix="precision-suite-bisect-") as name, tool_snapshot() as tool:
         folder = Path(name)
-        state = {"folder": str(folder), "specs": [spec.to_json() for spec in specs], "metric": metric,
-                 "workers": workers, "strict": strict, "rules": rules_file, "baseline_dir": baseline_dir,
-                 "good": good.sha, "tool": str(tool), "config": str(config) if config else None}
+        state = {
+            "folder": str(folder),
+            "specs": [spec.to_json() for spec in specs],
+            "metric": metric,
+            "workers": workers,
+            "strict": strict,
+            "rules": rules_file,
+            "baseline_dir": baseline_dir,
+            "good": good.sha,
+            "tool": str(tool),
+            "config": str(config) if config else None,
+        }
         with side_tree(good, root) as good_tree, side_tree(bad, root) as bad_tree:
             good_code = Checkout(good, root, good_tree, tool, config)
             good_runs = train_side(good_code, specs, folder / "good", workers, baseline_dir)
-            compared = _judge(state, good_code, Checkout(bad, root, bad_tree, tool, config), good_runs,
-                              folder / "bad")
+            compared = _judge(
+                state, good_code, Checkout(bad, root, bad_tree, tool, config), good_runs, folder / "bad"
+            )
         if not any(blocks(case.verdict) for case in compared):
             print(f"{bad.name} passes against {good.name}: nothing to bisect")
             print("\n".join(line for case in compared for line in case.lines(metric)))
@@ -92,13 +112,26 @@ def bisect_commits(good_ref: str, bad_ref: str, selection: Selection, *, strict:
     return EXIT_REGRESSION
 
 
-def _judge(state: dict, good_code: Checkout, code: Checkout, good_runs: SideRuns, out: Path) -> list[CaseDiff]:
+def _judge(
+    state: dict, good_code: Checkout, code: Checkout, good_runs: SideRuns, out: Path
+) -> list[CaseDiff]:
     """`code`'s runs trained into `out` and judged against GOOD's as `diff` judges them."""
     specs = [RunSpec.from_json(text) for text in state["specs"]]
     runs = train_side(code, specs, out, state["workers"], state["baseline_dir"])
     references = load_diff_references(specs, load_project(state["rules"]), state["baseline_dir"])
-    compared, _ = judge_commits(good_code, code, specs, good_runs, runs, references, out / "judging",
-                                out / "report", "none", strict=state["strict"], metric=state["metric"])
+    compared, _ = judge_commits(
+        good_code,
+        code,
+        specs,
+        good_runs,
+        runs,
+        references,
+        out / "judging",
+        out / "report",
+        "none",
+        strict=state["strict"],
+        metric=state["metric"],
+    )
     return compared
 
 
@@ -109,12 +142,22 @@ def _run_bisect(root: Path, good: Side, bad: Side, tool: Path, state: Path) -> t
     if started.returncode != 0:
         git.git(root, "bisect", "reset")
         raise UsageError(f"git bisect start {bad.sha[:7]} {good.sha[:7]} failed: {started.stderr.strip()}")
-    print(f"bisecting from {good.name} to {bad.name}: "
-          f"{started.stdout.strip().splitlines()[0] if started.stdout.strip() else ''}", file=sys.stderr, flush=True)
+    print(
+        f"bisecting from {good.name} to {bad.name}: "
+        f"{started.stdout.strip().splitlines()[0] if started.stdout.strip() else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        command = ["git", "bisect", "run", *fresh_interpreter("precision_suite.jobs.first_bad_commit", str(state))]
-        done = subprocess.run(command, cwd=Path.cwd(), env=side_environment(tool, root, root),
-                              stdout=subprocess.PIPE, text=True)
+        command = [
+            "git",
+            "bisect",
+            "run",
+            *fresh_interpreter("precision_suite.jobs.first_bad_commit", str(state)),
+        ]
+        done = subprocess.run(
+            command, cwd=Path.cwd(), env=side_environment(tool, root, root), stdout=subprocess.PIPE, text=True
+        )
         if "is the first bad commit" in done.stdout:
             return git.resolve_commit(root, "refs/bisect/bad", "the first bad commit"), done.stdout
         if "only 'skip'ped commits left" in done.stdout:
@@ -124,16 +167,22 @@ def _run_bisect(root: Path, good: Side, bad: Side, tool: Path, state: Path) -> t
     finally:
         reset = git.git(root, "bisect", "reset")
         if reset.returncode != 0:
-            print(f"precision-suite: warning: `git bisect reset` failed ({reset.stderr.strip()}); run it "
-                  "yourself to return to your branch", file=sys.stderr)
+            print(
+                f"precision-suite: warning: `git bisect reset` failed ({reset.stderr.strip()}); run it "
+                "yourself to return to your branch",
+                file=sys.stderr,
+            )
 
 
 def _save_step(folder: Path, sha: str, compared: Sequence[CaseDiff], metric: str | None) -> list[str]:
     """The lines `diff` prints for a bad commit, kept for the final message."""
     failing = [case for case in compared if blocks(case.verdict)]
     lines = [line for case in failing for line in case.lines(metric)]
-    lines += [f"{case.verdict.status.upper():5} {case.case}: {case.verdict.findings[0].message.removeprefix(case.case + ': ')}"
-              for case in failing if case.verdict.findings]
+    lines += [
+        f"{case.verdict.status.upper():5} {case.case}: {case.verdict.findings[0].message.removeprefix(case.case + ': ')}"
+        for case in failing
+        if case.verdict.findings
+    ]
     (folder / "steps").mkdir(exist_ok=True)
     (folder / "steps" / f"{sha}.txt").write_text("\n".join(lines) + "\n")
     return lines
@@ -152,18 +201,32 @@ def step(state_file: str) -> int:
     try:
         with contextlib.redirect_stderr(io.StringIO()), side_tree(good, root) as good_tree:
             # one line per commit, not its training progress
-            good_runs = SideRuns({case_id(spec): load_dataset(results.result_path(str(folder / "good"), case_id(spec)))
-                                  for spec in specs},
-                                 {case_id(spec): load_dataset(path) for spec in specs if (path := results.replay_result_path(
-                                     str(folder / "good"), case_id(spec))).is_file()})
-            compared = _judge(state, Checkout(good, root, good_tree, tool, config),
-                              Checkout(Side("BAD", sha), root, root, tool, config), good_runs, folder / "steps" / sha)
+            good_runs = SideRuns(
+                {
+                    case_id(spec): load_dataset(results.result_path(str(folder / "good"), case_id(spec)))
+                    for spec in specs
+                },
+                {
+                    case_id(spec): load_dataset(path)
+                    for spec in specs
+                    if (path := results.replay_result_path(str(folder / "good"), case_id(spec))).is_file()
+                },
+            )
+            compared = _judge(
+                state,
+                Checkout(good, root, good_tree, tool, config),
+                Checkout(Side("BAD", sha), root, root, tool, config),
+                good_runs,
+                folder / "steps" / sha,
+            )
     except Exception as exc:  # this commit cannot be judged (its code does not run): neither good nor bad
         print(f"{label}: skip, cannot run: {cannot_run(exc)}", file=sys.stderr, flush=True)
         return SKIP
     bad = any(blocks(case.verdict) for case in compared)
     lines = _save_step(folder, sha, compared, metric) if bad else []
-    print(f"{label}: {'bad' if bad else 'good'}{': ' + lines[0] if lines else ''}", file=sys.stderr, flush=True)
+    print(
+        f"{label}: {'bad' if bad else 'good'}{': ' + lines[0] if lines else ''}", file=sys.stderr, flush=True
+    )
     return EXIT_REGRESSION if bad else EXIT_OK
 
 

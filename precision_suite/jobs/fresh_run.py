@@ -15,13 +15,19 @@ from precision_suite.training.runs import RunSpec
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m precision_suite.jobs.fresh_run",
-                                     description="the RunSpec as JSON on stdin")
+    parser = argparse.ArgumentParser(
+        prog="python -m precision_suite.jobs.fresh_run", description="the RunSpec as JSON on stdin"
+    )
     parser.add_argument("out")
     parser.add_argument("--replay", metavar="STATE.nc")
     parser.add_argument("--keep-state", action="store_true")
-    parser.add_argument("--replay-at", type=int, default=None, metavar="T",
-                        help="the step the state was kept before (default: a stored baseline's)")
+    parser.add_argument(
+        "--replay-at",
+        type=int,
+        default=None,
+        metavar="T",
+        help="the step the state was kept before (default: a stored baseline's)",
+    )
     args = parser.parse_args(argv)
     try:
         spec = RunSpec.from_json(sys.stdin.read())

@@ -34,8 +34,10 @@ def resolve_commit(root: Path, ref: str, what: str) -> str:
     """The full SHA of the commit `ref` names (a branch, tag, SHA...); UsageError if none."""
     done = git(root, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}")
     if done.returncode != 0 or not done.stdout.strip():
-        raise UsageError(f"{what} {ref!r} is not a commit of the repository {root}; give a branch, "
-                         "tag or SHA that `git log` shows")
+        raise UsageError(
+            f"{what} {ref!r} is not a commit of the repository {root}; give a branch, "
+            "tag or SHA that `git log` shows"
+        )
     return done.stdout.strip()
 
 
@@ -67,8 +69,9 @@ def worktree(root: Path, sha: str) -> Iterator[Path]:
     try:
         done = git(root, "worktree", "add", "--detach", str(tree), sha)
         if done.returncode != 0:
-            raise UsageError(f"cannot check out {sha[:12]} in a temporary worktree: "
-                             f"{_last_line(done.stderr)}")
+            raise UsageError(
+                f"cannot check out {sha[:12]} in a temporary worktree: {_last_line(done.stderr)}"
+            )
         yield tree
     finally:
         if git(root, "worktree", "remove", "--force", str(tree)).returncode != 0 and tree.exists():

@@ -64,15 +64,18 @@ def host_of(ds: xr.Dataset) -> tuple[str, dict[str, Any]]:
     if "platform" in kept:
         text = str(kept["platform"])
         machine = _MACHINE.search(text)
-        kept["platform"] = " ".join([text.split("-")[0], machine.group(1) if machine else "",
-                                     text.partition("-with-")[2]])
+        kept["platform"] = " ".join(
+            [text.split("-")[0], machine.group(1) if machine else "", text.partition("-with-")[2]]
+        )
     return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:12], fingerprint
 
 
 def host_label(fingerprint: dict[str, Any]) -> str:
     """'cpu AVX512, torch 2.13.0+cpu, 1 thread(s)'"""
-    return (f"{fingerprint.get('device', '?')} {fingerprint.get('cpu_capability', '')}".rstrip()
-            + f", torch {fingerprint.get('torch', '?')}, {fingerprint.get('threads', '?')} thread(s)")
+    return (
+        f"{fingerprint.get('device', '?')} {fingerprint.get('cpu_capability', '')}".rstrip()
+        + f", torch {fingerprint.get('torch', '?')}, {fingerprint.get('threads', '?')} thread(s)"
+    )
 
 
 def store_schema(store: Path, *, create: bool) -> Path:
@@ -84,20 +87,28 @@ def store_schema(store: Path, *, create: bool) -> Path:
         try:
             version = json.loads(marker.read_text(encoding="utf-8")).get("history_schema_version")
         except (OSError, ValueError, AttributeError) as exc:
-            raise UsageError(f"--store {store}: {marker} is not readable JSON ({exc}); restore it or "
-                             "record into a new --store folder") from None
+            raise UsageError(
+                f"--store {store}: {marker} is not readable JSON ({exc}); restore it or "
+                "record into a new --store folder"
+            ) from None
         if version != HISTORY_SCHEMA_VERSION:
-            raise UsageError(f"--store {store} holds history schema {version!r}, this precision-suite "
-                             f"{__version__} reads {HISTORY_SCHEMA_VERSION}; record into a new --store "
-                             f"folder (or read this one with the precision-suite version that wrote it)")
+            raise UsageError(
+                f"--store {store} holds history schema {version!r}, this precision-suite "
+                f"{__version__} reads {HISTORY_SCHEMA_VERSION}; record into a new --store "
+                f"folder (or read this one with the precision-suite version that wrote it)"
+            )
         return store
     # hidden temp files are another recorder creating this store at the same time (files.atomic_path)
     if store.is_dir() and any(not entry.name.startswith(".") for entry in store.iterdir()):
-        raise UsageError(f"--store {store} is not a history store (no {STORE_MARKER}) and is not empty; "
-                         "give an empty or new folder")
+        raise UsageError(
+            f"--store {store} is not a history store (no {STORE_MARKER}) and is not empty; "
+            "give an empty or new folder"
+        )
     if not create:
-        raise UsageError(f"--store {store} holds no history yet; record runs into it first with "
-                         "`precision-suite history record RESULTS --store DIR`")
+        raise UsageError(
+            f"--store {store} holds no history yet; record runs into it first with "
+            "`precision-suite history record RESULTS --store DIR`"
+        )
     write_json({"history_schema_version": HISTORY_SCHEMA_VERSION}, marker)
     return store
 
@@ -126,49 +137,83 @@ def write_record(encoded: bytes, path: Path) -> None:
         handle.write(encoded)
 
 
-def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "HEAD", branch: str | None = None,
-                   baseline_dir: str = DEFAULT_BASELINE_DIR) -> int:
+def record_results(
+    locations: Sequence[str],
+    store_dir: str,
+    *,
+    commit: str = "HEAD",
+    branch: str | None = None,
+    baseline_dir: str = DEFAULT_BASELINE_DIR,
+) -> int:
     """Record saved results (`run --save-results` folders; replays in their `replays/`) as commit
     `commit` of the repository holding the working directory. Every input is read, checked and
     every record encoded before the first file is written."""
     root = git.repo_root()
     sha = git.resolve_commit(root, commit, "--commit")
     if git.is_shallow(root):
-        raise UsageError(f"{root} is a shallow clone: a commit's place in the history (its first-parent "
-                         "depth) cannot be counted; fetch the history (`git fetch --unshallow`, or "
-                         "actions/checkout with fetch-depth: 0)")
+        raise UsageError(
+            f"{root} is a shallow clone: a commit's place in the history (its first-parent "
+            "depth) cannot be counted; fetch the history (`git fetch --unshallow`, or "
+            "actions/checkout with fetch-depth: 0)"
+        )
     # the checked-out branch names HEAD only; another commit is recorded on no branch unless given
-    info = {**git.commit_info(root, sha), "branch": branch if branch is not None else
-            (git.branch(root) if commit == "HEAD" else "")}
+    info = {
+        **git.commit_info(root, sha),
+        "branch": branch if branch is not None else (git.branch(root) if commit == "HEAD" else ""),
+    }
     runs = results.merge_shards(locations)
-    replayed = {case: ds for location in locations if results.replay_folder(location).is_dir()
-                for case, ds in results.load_results(str(results.replay_folder(location)), "RESULTS replays").items()}
+    replayed = {
+        case: ds
+        for location in locations
+        if results.replay_folder(location).is_dir()
+        for case, ds in results.load_results(str(results.replay_folder(location)), "RESULTS replays").items()
+    }
     for case, ds in runs.items():
         if ds.attrs.get("schema_version") != SCHEMA_VERSION:
-            raise UsageError(f"RESULTS: case {case} was saved with run-dataset schema "
-                             f"{ds.attrs.get('schema_version')}, this precision-suite reads {SCHEMA_VERSION} "
-                             f"(its numbers may be measured otherwise); record results of this version: "
-                             f"`precision-suite run --save-results DIR` at commit {sha[:12]}")
+            raise UsageError(
+                f"RESULTS: case {case} was saved with run-dataset schema "
+                f"{ds.attrs.get('schema_version')}, this precision-suite reads {SCHEMA_VERSION} "
+                f"(its numbers may be measured otherwise); record results of this version: "
+                f"`precision-suite run --save-results DIR` at commit {sha[:12]}"
+            )
     if commit == "HEAD" and git.is_dirty(root):
-        print(f"precision-suite: warning: the working tree has uncommitted changes; the results are "
-              f"recorded as commit {sha[:12]}", file=sys.stderr)
+        print(
+            f"precision-suite: warning: the working tree has uncommitted changes; the results are "
+            f"recorded as commit {sha[:12]}",
+            file=sys.stderr,
+        )
     records = []
     for case, ds in runs.items():
         # a case without a baseline (a user's model with none) records no noise level
-        reference = load_reference(case, ds.attrs.get("spec"), baseline_dir=baseline_dir, baseline=OPTIONAL,
-                                   replay=OPTIONAL)
+        reference = load_reference(
+            case, ds.attrs.get("spec"), baseline_dir=baseline_dir, baseline=OPTIONAL, replay=OPTIONAL
+        )
         missing = reference.missing.get("baseline", "").split(";")[0]
         host, fingerprint = host_of(ds)
         seed = int(json.loads(ds.attrs.get("spec") or "{}").get("seed") or 0)
-        record = summarize(ds, ensemble=reference.baseline, replay=replayed.get(case),
-                                   stored_replay=reference.stored_replay)
-        record = record.assign_attrs(case=case, seed=seed, spec=ds.attrs.get("spec", ""), host=host,
-                                     fingerprint=json.dumps(fingerprint, sort_keys=True),
-                                     recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                                     package_version=__version__, **info)
-        note = f"; {missing}, so no noise level: its series are drawn, not searched for steps" if missing else ""
-        records.append((record_path(Path(store_dir), host, case, info["commit"], seed), encode_record(record),
-                        f"{case} (host {host}: {host_label(fingerprint)}){note}"))
+        record = summarize(
+            ds, ensemble=reference.baseline, replay=replayed.get(case), stored_replay=reference.stored_replay
+        )
+        record = record.assign_attrs(
+            case=case,
+            seed=seed,
+            spec=ds.attrs.get("spec", ""),
+            host=host,
+            fingerprint=json.dumps(fingerprint, sort_keys=True),
+            recorded=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            package_version=__version__,
+            **info,
+        )
+        note = (
+            f"; {missing}, so no noise level: its series are drawn, not searched for steps" if missing else ""
+        )
+        records.append(
+            (
+                record_path(Path(store_dir), host, case, info["commit"], seed),
+                encode_record(record),
+                f"{case} (host {host}: {host_label(fingerprint)}){note}",
+            )
+        )
     store = store_schema(Path(store_dir), create=True)
     print(f"commit {sha[:12]} {info['subject']!r}{' on ' + info['branch'] if info['branch'] else ''}")
     for path, encoded, label in records:
@@ -182,15 +227,18 @@ def record_results(locations: Sequence[str], store_dir: str, *, commit: str = "H
 RECORD_ATTRS = ("case", "host", "fingerprint", "commit", "commit_time", "commit_depth", "subject", "branch")
 
 
-def load_histories(store: Path, keep: Selection, since: str | None, branch: str | None = None
-                   ) -> list[CaseHistory]:
+def load_histories(
+    store: Path, keep: Selection, since: str | None, branch: str | None = None
+) -> list[CaseHistory]:
     """Every host and case of the store that `keep` selects, its records along `commit` in the
     order of the first-parent history (`git.commit_info`'s depth; commit time between equal
     depths), from the commit `since` names on, of `branch` only when given."""
     files = sorted(store.glob("*/*/*.nc"))
     if not files:
-        raise UsageError(f"--store {store} holds no records; add some with "
-                         "`precision-suite history record RESULTS --store DIR`")
+        raise UsageError(
+            f"--store {store} holds no records; add some with "
+            "`precision-suite history record RESULTS --store DIR`"
+        )
     since_depth = None
     if since is not None:
         root = git.repo_root()
@@ -199,7 +247,9 @@ def load_histories(store: Path, keep: Selection, since: str | None, branch: str 
     for file in files:
         record = _read_record(store, file)
         spec = json.loads(record.attrs.get("spec") or "{}")
-        if not keep.matches(record.attrs["case"], spec) or (branch is not None and record.attrs["branch"] != branch):
+        if not keep.matches(record.attrs["case"], spec) or (
+            branch is not None and record.attrs["branch"] != branch
+        ):
             continue
         if since_depth is not None and int(record.attrs["commit_depth"]) < since_depth:
             continue
@@ -207,8 +257,10 @@ def load_histories(store: Path, keep: Selection, since: str | None, branch: str 
         grouped.setdefault((record.attrs["host"], key), []).append(record)
     if not grouped:
         limits = [f"--since {since}"] * (since is not None) + [f"--branch {branch}"] * (branch is not None)
-        raise UsageError(f"--store {store} holds no records of the selected cases"
-                         f"{' with ' + ' and '.join(limits) if limits else ''}; widen the selection")
+        raise UsageError(
+            f"--store {store} holds no records of the selected cases"
+            f"{' with ' + ' and '.join(limits) if limits else ''}; widen the selection"
+        )
     return [_case_history(name, records) for (_, name), records in sorted(grouped.items())]
 
 
@@ -219,39 +271,66 @@ def _read_record(store: Path, file: Path) -> xr.Dataset:
         record = load_dataset(file, engine=RECORD_ENGINE)
     except Exception as exc:  # scipy/xarray raise many types for a damaged file
         reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {reason}); "
-                         "delete it and record that commit again") from None
+        raise UsageError(
+            f"--store {store}: record {file} is unreadable ({type(exc).__name__}: {reason}); "
+            "delete it and record that commit again"
+        ) from None
     if record.attrs.get("history_schema_version") != HISTORY_SCHEMA_VERSION:
-        raise UsageError(f"--store {store}: record {file} has history schema "
-                         f"{record.attrs.get('history_schema_version')!r}, this version reads "
-                         f"{HISTORY_SCHEMA_VERSION}; delete it or record into a new store")
+        raise UsageError(
+            f"--store {store}: record {file} has history schema "
+            f"{record.attrs.get('history_schema_version')!r}, this version reads "
+            f"{HISTORY_SCHEMA_VERSION}; delete it or record into a new store"
+        )
     missing = [name for name in RECORD_ATTRS if name not in record.attrs]
     if missing:
-        raise UsageError(f"--store {store}: record {file} lacks {', '.join(missing)} (not written by "
-                         "`precision-suite history record`); delete it and record that commit again")
+        raise UsageError(
+            f"--store {store}: record {file} lacks {', '.join(missing)} (not written by "
+            "`precision-suite history record`); delete it and record that commit again"
+        )
     return record
 
 
 def _case_history(name: str, records: list[xr.Dataset]) -> CaseHistory:
-    records.sort(key=lambda r: (int(r.attrs["commit_depth"]), _dt.datetime.fromisoformat(r.attrs["commit_time"]),
-                                r.attrs["commit"]))
+    records.sort(
+        key=lambda r: (
+            int(r.attrs["commit_depth"]),
+            _dt.datetime.fromisoformat(r.attrs["commit_time"]),
+            r.attrs["commit"],
+        )
+    )
     commits = [{key: r.attrs[key] for key in ("commit", "commit_time", "subject", "branch")} for r in records]
-    data = xr.concat(records, dim="commit", join="outer", coords="minimal", compat="override", combine_attrs="drop")
+    data = xr.concat(
+        records, dim="commit", join="outer", coords="minimal", compat="override", combine_attrs="drop"
+    )
     last = records[-1].attrs
-    return case_history(name, last["host"], host_label(json.loads(last["fingerprint"])), commits,
-                                data.assign_coords(commit=[c["commit"] for c in commits]))
+    return case_history(
+        name,
+        last["host"],
+        host_label(json.loads(last["fingerprint"])),
+        commits,
+        data.assign_coords(commit=[c["commit"] for c in commits]),
+    )
 
 
-def report_history(store_dir: str, keep: Selection, *, since: str | None, branch: str | None = None,
-                   report_dir: str | None, charts: str) -> int:
+def report_history(
+    store_dir: str,
+    keep: Selection,
+    *,
+    since: str | None,
+    branch: str | None = None,
+    report_dir: str | None,
+    charts: str,
+) -> int:
     """Per host and case: the headline series over commits, their steps, the report folder."""
     store = store_schema(Path(store_dir), create=False)
     cases = load_histories(store, keep, since, branch)
     out = report_folder(report_dir)  # only once the store has been read: nothing written on bad input
     write_history_report(cases, out, charts=charts)
     for case in cases:
-        print(f"{case.case} (host {case.host}: {case.host_label}): {len(case.commits)} commit(s), "
-              f"{len(case.steps)} step(s)")
+        print(
+            f"{case.case} (host {case.host}: {case.host_label}): {len(case.commits)} commit(s), "
+            f"{len(case.steps)} step(s)"
+        )
         for step in case.steps[:10]:
             commit = case.commits[step.index]
             print(f"  step at {commit['commit'][:12]} {commit['subject']!r}: {step.describe()}")

@@ -52,25 +52,38 @@ class Reference:
 
     def errors(self) -> list[Finding]:
         """An error finding per required part that could not be loaded."""
-        return [Finding.error(self.case, part, message) for part, message in self.missing.items()
-                if part in self.required]
+        return [
+            Finding.error(self.case, part, message)
+            for part, message in self.missing.items()
+            if part in self.required
+        ]
 
 
 def load_project(rules_file: str) -> ProjectConfig:
     """[tool.precision_suite] of `rules_file` (none if the default file is absent); UsageError
     naming the file or rule otherwise."""
     if not Path(rules_file).is_file() and rules_file != DEFAULT_RULES_FILE:
-        raise UsageError(f"--rules {rules_file} does not exist; give the pyproject.toml that "
-                         "holds [tool.precision_suite]")
+        raise UsageError(
+            f"--rules {rules_file} does not exist; give the pyproject.toml that holds [tool.precision_suite]"
+        )
     try:
         return load_project_config(rules_file)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(f"{exc}; fix the rule (grammar in docs/baselines.md)") from None
 
 
-def load_reference(case: str, spec_json: str | None, *, baseline_dir: str | Path | None,
-                   project: ProjectConfig | None = None, regen_hint: str = "", baseline: str = REQUIRED,
-                   replay: str = SKIPPED, schema_version: int = SCHEMA_VERSION, strict: bool = True) -> Reference:
+def load_reference(
+    case: str,
+    spec_json: str | None,
+    *,
+    baseline_dir: str | Path | None,
+    project: ProjectConfig | None = None,
+    regen_hint: str = "",
+    baseline: str = REQUIRED,
+    replay: str = SKIPPED,
+    schema_version: int = SCHEMA_VERSION,
+    strict: bool = True,
+) -> Reference:
     """The Reference of `case`, whose runs are made from `spec_json`. `baseline` and `replay` say
     whether its ensemble and its stored replay are REQUIRED, OPTIONAL or SKIPPED; the stored replay
     is read only when the ensemble, if asked for, was. A part that cannot be read (missing, corrupt,
@@ -85,27 +98,45 @@ def load_reference(case: str, spec_json: str | None, *, baseline_dir: str | Path
         try:
             if part == "baseline":
                 loaded[part] = baseline_files.load_ensemble(
-                    baseline_files.baseline_path(baseline_dir, case), expected_spec=spec_json,
-                    expected_schema_version=schema_version, regen_hint=regen_hint or None)
+                    baseline_files.baseline_path(baseline_dir, case),
+                    expected_spec=spec_json,
+                    expected_schema_version=schema_version,
+                    regen_hint=regen_hint or None,
+                )
             else:
-                loaded[part] = stored_replays.load_replay(baseline_dir, case, expected_spec=spec_json,
-                                                          regen_hint=regen_hint or None)
+                loaded[part] = stored_replays.load_replay(
+                    baseline_dir, case, expected_spec=spec_json, regen_hint=regen_hint or None
+                )
         except baseline_files.BaselineError as exc:
             if strict and needs[part] == REQUIRED:
                 raise UsageError(str(exc)) from None
             missing[part] = str(exc)
-    return Reference(case, rules=tuple(project.rules) if project else (),
-                     tolerances=(project.tolerances,) if project else (), baseline=loaded["baseline"],
-                     stored_replay=loaded["replay"], regen_hint=regen_hint, missing=missing,
-                     required=tuple(part for part in PARTS if needs[part] == REQUIRED))
+    return Reference(
+        case,
+        rules=tuple(project.rules) if project else (),
+        tolerances=(project.tolerances,) if project else (),
+        baseline=loaded["baseline"],
+        stored_replay=loaded["replay"],
+        regen_hint=regen_hint,
+        missing=missing,
+        required=tuple(part for part in PARTS if needs[part] == REQUIRED),
+    )
 
 
-def load_references(specs: Sequence[RunSpec], project: ProjectConfig, baseline_dir: str,
-                    regen_hint: Callable[[str], str]) -> dict[str, Reference]:
+def load_references(
+    specs: Sequence[RunSpec], project: ProjectConfig, baseline_dir: str, regen_hint: Callable[[str], str]
+) -> dict[str, Reference]:
     """The Reference of every spec, by case id, for a command that trains them: each ensemble
     required, and each stored replay of a case that keeps one (training.replays.replay_start).
     Every file is read before the first minute of training; UsageError for a missing one."""
-    return {case_id(spec): load_reference(case_id(spec), spec.to_json(), baseline_dir=baseline_dir,
-                                          project=project, regen_hint=regen_hint(case_id(spec)),
-                                          replay=SKIPPED if replay_start(spec) is None else REQUIRED)
-            for spec in specs}
+    return {
+        case_id(spec): load_reference(
+            case_id(spec),
+            spec.to_json(),
+            baseline_dir=baseline_dir,
+            project=project,
+            regen_hint=regen_hint(case_id(spec)),
+            replay=SKIPPED if replay_start(spec) is None else REQUIRED,
+        )
+        for spec in specs
+    }

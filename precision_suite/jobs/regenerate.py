@@ -37,10 +37,18 @@ def ensemble_tasks(spec: RunSpec, seeds: Sequence[int] | None = None) -> list[Ta
     seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
     case = case_id(spec)  # a first-step twin is another case by its own id: progress names this one
     keeps_state = replay_start(spec) is not None
-    tasks = [Task(dataclasses.replace(spec, seed=seed), label=f"{case} seed {seed}",
-                  keep_state=keeps_state and seed == seeds[0]) for seed in seeds]
-    tasks += [Task(dataclasses.replace(spec, seed=seed), label=f"{case} held-out seed {seed}")
-              for seed in held_out_seeds(seeds)]
+    tasks = [
+        Task(
+            dataclasses.replace(spec, seed=seed),
+            label=f"{case} seed {seed}",
+            keep_state=keeps_state and seed == seeds[0],
+        )
+        for seed in seeds
+    ]
+    tasks += [
+        Task(dataclasses.replace(spec, seed=seed), label=f"{case} held-out seed {seed}")
+        for seed in held_out_seeds(seeds)
+    ]
     for twin in rounding_twins():
         first_step = dataclasses.replace(spec, seed=seeds[0], steps=1, **twin.spec_changes)
         tasks.append(Task(first_step, env=twin.env, label=f"{case} seed {seeds[0]} first step, {twin.name}"))
@@ -58,8 +66,14 @@ def replay_tasks(spec: RunSpec, state: xr.Dataset, seed: int = ENSEMBLE_SEEDS[0]
     case, replayed = case_id(spec), dataclasses.replace(spec, seed=seed)
     tasks = [Task(replayed, label=f"{case} replay", replay_from=state)]
     for twin in rounding_twins():
-        tasks.append(Task(dataclasses.replace(replayed, **twin.spec_changes), env=twin.env,
-                          label=f"{case} replay, {twin.name}", replay_from=state))
+        tasks.append(
+            Task(
+                dataclasses.replace(replayed, **twin.spec_changes),
+                env=twin.env,
+                label=f"{case} replay, {twin.name}",
+                replay_from=state,
+            )
+        )
     return tasks
 
 
@@ -68,25 +82,34 @@ def regeneration_size(spec: RunSpec) -> int:
     return len(ensemble_tasks(spec)) + (1 + len(rounding_twins()) if replay_start(spec) is not None else 0)
 
 
-def regenerate(specs: Sequence[RunSpec], baseline_dir: str | os.PathLike, workers: int = 1,
-               progress: Done | None = None, seeds: Sequence[int] | None = None, *,
-               scheduler: str | None = None) -> list[tuple[Path, bool]]:
+def regenerate(
+    specs: Sequence[RunSpec],
+    baseline_dir: str | os.PathLike,
+    workers: int = 1,
+    progress: Done | None = None,
+    seeds: Sequence[int] | None = None,
+    *,
+    scheduler: str | None = None,
+) -> list[tuple[Path, bool]]:
     """Train every spec's ensemble (all cases' runs share one pool, or the Dask cluster at
     `scheduler`) and write each baseline that changed; returns (path, written) per spec. Nothing
     is written until every run has finished. Used by the command line and --precision-regen."""
     seeds = tuple(ENSEMBLE_SEEDS if seeds is None else seeds)
     n_seeds, n_held_out = len(seeds), len(held_out_seeds(seeds))
     per_spec = [ensemble_tasks(spec, seeds) for spec in specs]
-    results = _grouped(run_tasks([t for tasks in per_spec for t in tasks], workers, progress, scheduler=scheduler),
-                       per_spec)
+    results = _grouped(
+        run_tasks([t for tasks in per_spec for t in tasks], workers, progress, scheduler=scheduler), per_spec
+    )
     states: dict[int, xr.Dataset] = {}
     for index, runs in enumerate(results):
         if has_state(runs[0]):  # the first seed's run keeps its replays' state
             runs[0], states[index] = split_state(runs[0])
     # the replays start from the stored (rounded) state, so they wait for the runs that keep it
     per_replay = [replay_tasks(specs[index], state, seeds[0]) for index, state in states.items()]
-    replayed = _grouped(run_tasks([t for tasks in per_replay for t in tasks], workers, progress,
-                                  scheduler=scheduler), per_replay)
+    replayed = _grouped(
+        run_tasks([t for tasks in per_replay for t in tasks], workers, progress, scheduler=scheduler),
+        per_replay,
+    )
     written = []
     for spec, runs in zip(specs, results):
         path = baseline_path(baseline_dir, case_id(spec))
@@ -101,24 +124,32 @@ def _grouped(results: Sequence[xr.Dataset], per_spec: Sequence[Sequence[Task]]) 
     """`results` of the flattened tasks of `per_spec`, back in one list per spec."""
     grouped, start = [], 0
     for tasks in per_spec:
-        grouped.append(list(results[start:start + len(tasks)]))
+        grouped.append(list(results[start : start + len(tasks)]))
         start += len(tasks)
     return grouped
 
 
-def update_baselines(selection: Selection, *, baseline_dir: str, workers: int | None,
-                     scheduler: str | None) -> int:
+def update_baselines(
+    selection: Selection, *, baseline_dir: str, workers: int | None, scheduler: str | None
+) -> int:
     """Train the selection's seed ensembles and (over)write their baselines."""
     specs = selected_specs(selection)
     where = train.placement(workers, scheduler)
     n_tasks = sum(regeneration_size(spec) for spec in specs)
-    print(f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and held-out seeds, the first steps of their rounding "
-          f"twins, replays of their last steps) {train.describe(where, n_tasks)}", file=sys.stderr, flush=True)
+    print(
+        f"{len(specs)} case(s), {n_tasks} runs (seed ensembles and held-out seeds, the first steps of their rounding "
+        f"twins, replays of their last steps) {train.describe(where, n_tasks)}",
+        file=sys.stderr,
+        flush=True,
+    )
     with train.execution_errors(where):  # raised before any baseline is written
-        written = regenerate(specs, baseline_dir, where.workers, train.task_progress(n_tasks),
-                             scheduler=where.scheduler)
+        written = regenerate(
+            specs, baseline_dir, where.workers, train.task_progress(n_tasks), scheduler=where.scheduler
+        )
     for path, changed in written:
         print(f"{'wrote' if changed else 'unchanged'} {path}")
-    print(f"{len(specs)} baseline(s) updated; review with `git diff --stat {baseline_dir}` "
-          "and commit them with the change that explains them")
+    print(
+        f"{len(specs)} baseline(s) updated; review with `git diff --stat {baseline_dir}` "
+        "and commit them with the change that explains them"
+    )
     return EXIT_OK

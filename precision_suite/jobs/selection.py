@@ -36,15 +36,18 @@ class Selection:
     @classmethod
     def from_args(cls, args: Any) -> Selection:
         """The selection of parsed arguments (an argparse.Namespace); flags a command lacks are None."""
-        return cls(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)
-                      if f.name != "quick"}, quick=bool(getattr(args, "quick", False)))
+        return cls(
+            **{f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls) if f.name != "quick"},
+            quick=bool(getattr(args, "quick", False)),
+        )
 
     def matches(self, case: str, spec: Mapping[str, Any]) -> bool:
         """Whether a stored case (its id and its spec's fields) passes --case, --model, --attention
         and --recipe: `history report` selects among a store's cases, not the matrix's."""
         wanted = {"model": self.model, "attention": self.attention, "recipe": self.recipe}
-        return (not self.case or case in self.case) and all(not values or spec.get(field) in values
-                                                             for field, values in wanted.items())
+        return (not self.case or case in self.case) and all(
+            not values or spec.get(field) in values for field, values in wanted.items()
+        )
 
 
 def selected_specs(selection: Selection, validate: bool = True) -> list[RunSpec]:
@@ -52,13 +55,18 @@ def selected_specs(selection: Selection, validate: bool = True) -> list[RunSpec]
     selects nothing, duplicate cases or an invalid spec. `validate=False` leaves `RunSpec.validate`
     (which imports a user's model) to whoever trains them: `diff` validates each side with that
     commit's code, in that side's interpreter."""
-    specs = config_specs(Path(selection.config)) if selection.config else matrix.default_matrix(selection.quick)
+    specs = (
+        config_specs(Path(selection.config)) if selection.config else matrix.default_matrix(selection.quick)
+    )
     if selection.device:
         specs = [dataclasses.replace(spec, device=selection.device) for spec in specs]
     if selection.seed is not None:
         specs = [dataclasses.replace(spec, seed=selection.seed) for spec in specs]
-    source = f"config file {selection.config}" if selection.config else \
-        ("the quick matrix" if selection.quick else "the default matrix")
+    source = (
+        f"config file {selection.config}"
+        if selection.config
+        else ("the quick matrix" if selection.quick else "the default matrix")
+    )
     if selection.attention and not selection.config:
         specs += new_attention_specs(selection.attention, specs)
     filters = {"model": selection.model, "attention": selection.attention, "recipe": selection.recipe}
@@ -68,30 +76,38 @@ def selected_specs(selection: Selection, validate: bool = True) -> list[RunSpec]
         available = sorted({str(getattr(spec, field)) for spec in specs})
         unknown = [w for w in wanted if w not in available]
         if unknown:
-            raise UsageError(f"--{field} {', '.join(unknown)} is not in {source} (it has "
-                             f"{', '.join(available)}); for other cases write a --config file "
-                             "(see docs/cli.md)")
+            raise UsageError(
+                f"--{field} {', '.join(unknown)} is not in {source} (it has "
+                f"{', '.join(available)}); for other cases write a --config file "
+                "(see docs/cli.md)"
+            )
         specs = [spec for spec in specs if str(getattr(spec, field)) in wanted]
     if selection.case:
         cases = {case_id(spec): spec for spec in specs}
         unknown = [c for c in selection.case if c not in cases]
         if unknown:
-            raise UsageError(f"--case {', '.join(unknown)} is not in the selection from {source} "
-                             f"(it has {', '.join(sorted(cases)) or 'no cases'})")
+            raise UsageError(
+                f"--case {', '.join(unknown)} is not in the selection from {source} "
+                f"(it has {', '.join(sorted(cases)) or 'no cases'})"
+            )
         specs = [cases[c] for c in selection.case]
     if not specs:
         raise UsageError(f"the selection from {source} is empty; widen --model/--attention/--recipe")
     if selection.shard is not None:
         index, count = selection.shard
         if count > len(specs):
-            raise UsageError(f"--shard {index}/{count}: the selection has only {len(specs)} case(s); "
-                             f"use at most {len(specs)} shards")
-        specs = specs[index - 1::count]
+            raise UsageError(
+                f"--shard {index}/{count}: the selection has only {len(specs)} case(s); "
+                f"use at most {len(specs)} shards"
+            )
+        specs = specs[index - 1 :: count]
     ids = [case_id(spec) for spec in specs]
     duplicates = sorted({case for case in ids if ids.count(case) > 1})
     if duplicates:
-        raise UsageError(f"{source} has several specs for case {', '.join(duplicates)}; a case has one "
-                         "baseline file, so give each one once")
+        raise UsageError(
+            f"{source} has several specs for case {', '.join(duplicates)}; a case has one "
+            "baseline file, so give each one once"
+        )
     for spec in specs if validate else ():  # every spec is checked before the first one trains
         try:
             spec.validate()
@@ -123,12 +139,16 @@ def config_specs(path: Path) -> list[RunSpec]:
     table = _read_toml(path)
     cases = table.get("case")
     if not isinstance(cases, list) or not cases:
-        raise UsageError(f"{path}: no [[case]] tables; write one per run, e.g.\n"
-                         '[[case]]\nmodel = "vit"\nattention = "softmax"\nrecipe = "fp32"')
+        raise UsageError(
+            f"{path}: no [[case]] tables; write one per run, e.g.\n"
+            '[[case]]\nmodel = "vit"\nattention = "softmax"\nrecipe = "fp32"'
+        )
     unknown_tables = sorted(set(table) - {"case", "recipes"})
     if unknown_tables:
-        raise UsageError(f"{path}: unknown top-level key(s) {', '.join(unknown_tables)}; a config has "
-                         "[[case]] tables and optional [recipes.NAME] tables")
+        raise UsageError(
+            f"{path}: unknown top-level key(s) {', '.join(unknown_tables)}; a config has "
+            "[[case]] tables and optional [recipes.NAME] tables"
+        )
     os.environ.update(config_recipes(path, table))
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     specs = []
@@ -137,8 +157,10 @@ def config_specs(path: Path) -> list[RunSpec]:
             raise UsageError(f"{path}: case number {number} is not a table; write [[case]] tables")
         unknown = sorted(set(case) - fields)
         if unknown:
-            raise UsageError(f"{path}: [[case]] number {number} has unknown field(s) "
-                             f"{', '.join(unknown)}; RunSpec fields are {', '.join(sorted(fields))}")
+            raise UsageError(
+                f"{path}: [[case]] number {number} has unknown field(s) "
+                f"{', '.join(unknown)}; RunSpec fields are {', '.join(sorted(fields))}"
+            )
         spec = RunSpec(**case)
         try:  # before anything else reads them: the case id is made of these fields
             spec.check_case_fields()

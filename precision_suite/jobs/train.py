@@ -30,9 +30,11 @@ class Placement:
 def placement(workers: int | None, scheduler: str | None) -> Placement:
     """The placement the --workers/--scheduler flags ask for (default: a worker per core)."""
     if scheduler is not None and workers is not None:
-        raise UsageError(f"--workers {workers} trains in local processes, --scheduler "
-                         f"{scheduler} on the Dask cluster's workers; give one of them (size "
-                         "a cluster with `dask worker ADDRESS --nworkers N --nthreads 1`)")
+        raise UsageError(
+            f"--workers {workers} trains in local processes, --scheduler "
+            f"{scheduler} on the Dask cluster's workers; give one of them (size "
+            "a cluster with `dask worker ADDRESS --nworkers N --nthreads 1`)"
+        )
     return Placement(workers or execution.default_workers(), scheduler)
 
 
@@ -42,21 +44,33 @@ def train_all(specs: Sequence[RunSpec], where: Placement) -> list[xr.Dataset]:
     return train_and_replay(specs, {}, where)[0]
 
 
-def train_and_replay(specs: Sequence[RunSpec], stored_replays: Mapping[str, xr.Dataset],
-                     where: Placement) -> tuple[list[xr.Dataset], dict[str, xr.Dataset]]:
+def train_and_replay(
+    specs: Sequence[RunSpec], stored_replays: Mapping[str, xr.Dataset], where: Placement
+) -> tuple[list[xr.Dataset], dict[str, xr.Dataset]]:
     """`train_all`, and each case's replay from its stored state (`stored_replays`, by case id;
     the replay keeps the stored run's seed, the spec's threads and device): (runs, replays by case)."""
-    replay_tasks = {case: Task(replays.replay_spec(spec, stored_replays[case]), label=f"{case} replay",
-                               replay_from=stored_replays[case])
-                    for spec in specs if (case := runs.case_id(spec)) in stored_replays}
+    replay_tasks = {
+        case: Task(
+            replays.replay_spec(spec, stored_replays[case]),
+            label=f"{case} replay",
+            replay_from=stored_replays[case],
+        )
+        for spec in specs
+        if (case := runs.case_id(spec)) in stored_replays
+    }
     if where.scheduler is None and (where.workers == 1 or len(specs) == 1):
-        trained = [_train(spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}") for i, spec in enumerate(specs, 1)]
+        trained = [
+            _train(spec, f"[{i}/{len(specs)}] {runs.case_id(spec)}") for i, spec in enumerate(specs, 1)
+        ]
         replayed = {case: _replay(task) for case, task in replay_tasks.items()}
         return trained, replayed
-    print(f"training {len(specs)} case(s) and {len(replay_tasks)} replay(s) {describe(where, len(specs))}",
-          file=sys.stderr, flush=True)
+    print(
+        f"training {len(specs)} case(s) and {len(replay_tasks)} replay(s) {describe(where, len(specs))}",
+        file=sys.stderr,
+        flush=True,
+    )
     results = run_tasks([Task(spec) for spec in specs] + list(replay_tasks.values()), where)
-    return results[:len(specs)], dict(zip(replay_tasks, results[len(specs):]))
+    return results[: len(specs)], dict(zip(replay_tasks, results[len(specs) :]))
 
 
 def _replay(task: Task) -> xr.Dataset:
@@ -102,8 +116,11 @@ def task_progress(total: int) -> Done:
 
     def done(_index: int, task: Task, seconds: float) -> None:
         finished[0] += 1
-        print(f"[{finished[0]}/{total}] {task.label or runs.case_id(task.spec)} ({seconds:.0f} s so far)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{finished[0]}/{total}] {task.label or runs.case_id(task.spec)} ({seconds:.0f} s so far)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return done
 

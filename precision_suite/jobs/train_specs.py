@@ -47,8 +47,9 @@ from precision_suite.verdicts.stored_replays import replay_path
 PROBLEMS = "problems.json"  # the replays that could not run: case -> reason
 
 
-def train_specs(specs: Sequence[RunSpec], workers: int | None,
-                stored: Mapping[str, xr.Dataset] | None = None) -> tuple[dict[str, xr.Dataset], dict[str, xr.Dataset]]:
+def train_specs(
+    specs: Sequence[RunSpec], workers: int | None, stored: Mapping[str, xr.Dataset] | None = None
+) -> tuple[dict[str, xr.Dataset], dict[str, xr.Dataset]]:
     """(case -> run, case -> replay from its `stored` state) of every spec, trained with the code
     this interpreter imports; UsageError for a spec that does not validate with it (a model that
     cannot be imported, a field it lacks)."""
@@ -60,11 +61,20 @@ def train_specs(specs: Sequence[RunSpec], workers: int | None,
 def first_step_twins(specs: Sequence[RunSpec], workers: int | None) -> dict[str, list[xr.Dataset]]:
     """case -> the first step of its spec under every rounding twin (jobs/twins.py)."""
     _validate(specs)
-    tasks = [[Task(dataclasses.replace(spec, steps=1, **twin.spec_changes), env=twin.env,
-                   label=f"{case_id(spec)} first step, {twin.name}") for twin in rounding_twins()] for spec in specs]
+    tasks = [
+        [
+            Task(
+                dataclasses.replace(spec, steps=1, **twin.spec_changes),
+                env=twin.env,
+                label=f"{case_id(spec)} first step, {twin.name}",
+            )
+            for twin in rounding_twins()
+        ]
+        for spec in specs
+    ]
     done = train.run_tasks([task for per_spec in tasks for task in per_spec], train.placement(workers, None))
     size = len(tasks[0]) if tasks else 0
-    return {case_id(spec): done[i * size:(i + 1) * size] for i, spec in enumerate(specs)}
+    return {case_id(spec): done[i * size : (i + 1) * size] for i, spec in enumerate(specs)}
 
 
 def _validate(specs: Sequence[RunSpec]) -> None:
@@ -97,8 +107,11 @@ def save_twins(out: Path, case: str, runs: Sequence[xr.Dataset]) -> None:
 
 def load_twins(out: Path, case: str) -> list[xr.Dataset]:
     folder = twins_folder(out, case)
-    return [load_dataset(path) for path in sorted(folder.glob("*.nc"), key=lambda p: int(p.stem))] \
-        if folder.is_dir() else []
+    return (
+        [load_dataset(path) for path in sorted(folder.glob("*.nc"), key=lambda p: int(p.stem))]
+        if folder.is_dir()
+        else []
+    )
 
 
 def state_path(folder: Path, case: str) -> Path:
@@ -106,8 +119,13 @@ def state_path(folder: Path, case: str) -> Path:
     return results.result_path(str(folder), case).with_suffix(".state.nc")
 
 
-def replay_specs(specs: Sequence[RunSpec], out: Path, starts: Sequence[int] | None = None,
-                 states: Path | None = None, twins: bool = False) -> dict[str, str]:
+def replay_specs(
+    specs: Sequence[RunSpec],
+    out: Path,
+    starts: Sequence[int] | None = None,
+    states: Path | None = None,
+    twins: bool = False,
+) -> dict[str, str]:
     """Replay every spec with this interpreter's code from a state kept here before step
     `starts[i]` (saved in `out`), or else read from `states`; each replay saved in `out` (and,
     with `twins`, the replay under every rounding twin in `twins_folder`). Returns case -> why its
@@ -125,25 +143,48 @@ def replay_specs(specs: Sequence[RunSpec], out: Path, starts: Sequence[int] | No
             start = state_start(state)
             save_dataset(replay(spec, state, start), results.result_path(str(out), case))
             if twins:
-                save_twins(out, case, train.run_tasks(
-                    [Task(dataclasses.replace(spec, **twin.spec_changes), env=twin.env, replay_from=state,
-                          replay_at=start, label=f"{case} replay, {twin.name}") for twin in rounding_twins()],
-                    train.placement(None, None)))
+                save_twins(
+                    out,
+                    case,
+                    train.run_tasks(
+                        [
+                            Task(
+                                dataclasses.replace(spec, **twin.spec_changes),
+                                env=twin.env,
+                                replay_from=state,
+                                replay_at=start,
+                                label=f"{case} replay, {twin.name}",
+                            )
+                            for twin in rounding_twins()
+                        ],
+                        train.placement(None, None),
+                    ),
+                )
         except Exception as exc:  # the user's code at this commit, or a state it cannot load
             traceback.print_exc()
             problems[case] = cannot_run(exc)
             print(f"{label}: cannot replay: {problems[case]}", file=sys.stderr, flush=True)
             continue
-        print(f"{label}: replayed {replay_steps(spec, start)} step(s) from step {start} in "
-              f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"{label}: replayed {replay_steps(spec, start)} step(s) from step {start} in "
+            f"{time.monotonic() - started:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return problems
 
 
 def cannot_run(exc: BaseException) -> str:
     """One line for an exception of the user's code: type, message, innermost frame."""
     message = (str(exc).strip().splitlines() or [""])[0]
-    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if not frame.filename.startswith("<")]
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames and not isinstance(exc, SyntaxError) else ""
+    frames = [
+        frame for frame in traceback.extract_tb(exc.__traceback__) if not frame.filename.startswith("<")
+    ]
+    where = (
+        f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})"
+        if frames and not isinstance(exc, SyntaxError)
+        else ""
+    )
     return message if isinstance(exc, UsageError) else f"{type(exc).__name__}: {message}{where}"
 
 
@@ -157,23 +198,42 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("out", help="folder for <case>.nc")
     parser.add_argument("--workers", type=int, default=None)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--stored-replays", type=Path, metavar="DIR",
-                      help="also replay each case from the state stored in DIR, where it has one")
-    mode.add_argument("--first-step-twins", action="store_true",
-                      help="train each spec's first step under every rounding twin instead")
-    mode.add_argument("--keep-state-at", type=_steps, metavar="T[,T...]",
-                      help="per spec, in order: keep the state before step T in OUT/<case>.state.nc, replay from it")
-    mode.add_argument("--replay-from", type=Path, metavar="DIR", help="replay each spec from DIR/<case>.state.nc")
-    parser.add_argument("--twins", action="store_true", help="with --keep-state-at: replay under every twin too")
+    mode.add_argument(
+        "--stored-replays",
+        type=Path,
+        metavar="DIR",
+        help="also replay each case from the state stored in DIR, where it has one",
+    )
+    mode.add_argument(
+        "--first-step-twins",
+        action="store_true",
+        help="train each spec's first step under every rounding twin instead",
+    )
+    mode.add_argument(
+        "--keep-state-at",
+        type=_steps,
+        metavar="T[,T...]",
+        help="per spec, in order: keep the state before step T in OUT/<case>.state.nc, replay from it",
+    )
+    mode.add_argument(
+        "--replay-from", type=Path, metavar="DIR", help="replay each spec from DIR/<case>.state.nc"
+    )
+    parser.add_argument(
+        "--twins", action="store_true", help="with --keep-state-at: replay under every twin too"
+    )
     args = parser.parse_args(argv)
     try:
         specs = [RunSpec.from_json(json.dumps(fields)) for fields in json.loads(Path(args.specs).read_text())]
         out = Path(args.out)
         if args.keep_state_at is not None or args.replay_from is not None:
             if args.keep_state_at is not None and len(args.keep_state_at) != len(specs):
-                raise UsageError(f"--keep-state-at names {len(args.keep_state_at)} step(s) for {len(specs)} spec(s)")
+                raise UsageError(
+                    f"--keep-state-at names {len(args.keep_state_at)} step(s) for {len(specs)} spec(s)"
+                )
             out.mkdir(parents=True, exist_ok=True)
-            write_json(replay_specs(specs, out, args.keep_state_at, args.replay_from, args.twins), out / PROBLEMS)
+            write_json(
+                replay_specs(specs, out, args.keep_state_at, args.replay_from, args.twins), out / PROBLEMS
+            )
             return 0
         if args.first_step_twins:
             for case, twins in first_step_twins(specs, args.workers).items():

@@ -33,12 +33,18 @@ class RoundingTwin:
 def rounding_twins(host_capability: str | None = None) -> list[RoundingTwin]:
     """The twins this host can run (`host_capability`: ATen's, default this process's)."""
     capability = host_capability or torch.backends.cpu.get_cpu_capability()
-    twins = [RoundingTwin("2 threads", {"threads": 2}),
-             RoundingTwin("eager", env={"PRECISION_SUITE_COMPILE": "0"}),
-             RoundingTwin("ATen default kernels", env={"ATEN_CPU_CAPABILITY": "default"})]
+    twins = [
+        RoundingTwin("2 threads", {"threads": 2}),
+        RoundingTwin("eager", env={"PRECISION_SUITE_COMPILE": "0"}),
+        RoundingTwin("ATen default kernels", env={"ATEN_CPU_CAPABILITY": "default"}),
+    ]
     if capability in X86_CAPABILITIES:
-        for narrower in X86_CAPABILITIES[1:X86_CAPABILITIES.index(capability)]:
-            twins.append(RoundingTwin(f"{narrower} kernels", env={"ATEN_CPU_CAPABILITY": narrower.lower(),
-                                                                  "MKL_ENABLE_INSTRUCTIONS": narrower}))
+        for narrower in X86_CAPABILITIES[1 : X86_CAPABILITIES.index(capability)]:
+            twins.append(
+                RoundingTwin(
+                    f"{narrower} kernels",
+                    env={"ATEN_CPU_CAPABILITY": narrower.lower(), "MKL_ENABLE_INSTRUCTIONS": narrower},
+                )
+            )
         twins.append(RoundingTwin("MKL compatible path", env={"MKL_CBWR": "COMPATIBLE"}))
     return twins

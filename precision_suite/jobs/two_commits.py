@@ -76,7 +76,10 @@ class CaseDiff:
         if first is None:
             return [f"numerics unchanged: {self.case} bitwise identical"]
         when = f" {first.when()}" if first.when() else ""
-        return [f"numerics changed: {self.case}{when}: {first.describe()}", *_others(self.differences, first, "    ")]
+        return [
+            f"numerics changed: {self.case}{when}: {first.describe()}",
+            *_others(self.differences, first, "    "),
+        ]
 
 
 @dataclass(frozen=True)
@@ -99,17 +102,23 @@ class Measurement:
         """What `diff` prints under the case's lines: the replays' headline (about `metric` when
         given and changed), then every other metric they changed, indented further."""
         if self.start == 0:
-            return ["    measured cleanly from step 0: both runs start from the same state, so their "
-                    "differences there are the change's own (no replay)"]
+            return [
+                "    measured cleanly from step 0: both runs start from the same state, so their "
+                "differences there are the change's own (no replay)"
+            ]
         if self.problem:
             return [f"    no clean measurement from BASE's state at step {self.start}: {self.problem}"]
-        replayed = f"step {self.start}" if self.steps == 1 else f"steps {self.start}-{self.start + self.steps - 1}"
+        replayed = (
+            f"step {self.start}" if self.steps == 1 else f"steps {self.start}-{self.start + self.steps - 1}"
+        )
         headline = f"    measured from BASE's state at step {self.start} (both codes replay {replayed})"
         first = first_of(self.differences, metric) or first_of(self.differences)
         if first is None:
-            return [f"{headline}: bitwise identical; the runs' difference comes from what a replay does not "
-                    "carry (an earlier change at a step the probes did not sample, optimizer moments, "
-                    "buffers, the process's own state)"]
+            return [
+                f"{headline}: bitwise identical; the runs' difference comes from what a replay does not "
+                "carry (an earlier change at a step the probes did not sample, optimizer moments, "
+                "buffers, the process's own state)"
+            ]
         when = f"{first.when()}: " if first.step not in (None, self.start) else ""
         return [f"{headline}: {when}{first.describe()}", *_others(self.differences, first, " " * 8)]
 
@@ -120,30 +129,45 @@ class Measurement:
             return None
         counts = {m: v for m, v in self.tolerance.items() if SPACES[m].is_count}
         rest = {m: v for m, v in self.tolerance.items() if not SPACES[m].is_count}
-        return self.base.assign_attrs(replayed_from=self.start, replay_of="BASE", replay_tolerance=json.dumps(rest, sort_keys=True),
-                                      replay_count_noise=json.dumps(counts, sort_keys=True))
+        return self.base.assign_attrs(
+            replayed_from=self.start,
+            replay_of="BASE",
+            replay_tolerance=json.dumps(rest, sort_keys=True),
+            replay_count_noise=json.dumps(counts, sort_keys=True),
+        )
 
 
 def _others(differences: Sequence[Difference], first: Difference, indent: str) -> list[str]:
     """A line per changed metric but `first`, then the raw variables (module sums...) in one."""
-    lines = [f"{indent}{d.when() + ': ' if d.when() else ''}{d.describe()}"
-             for d in differences if d.metric in METRICS and d is not first]
+    lines = [
+        f"{indent}{d.when() + ': ' if d.when() else ''}{d.describe()}"
+        for d in differences
+        if d.metric in METRICS and d is not first
+    ]
     raw = [d.metric for d in differences if d.metric not in METRICS and d is not first]
     if raw:
         lines.append(f"{indent}also changed: {', '.join(raw)}")
     return lines
 
 
-def measure_cleanly(base: Checkout, head: Checkout, specs: Sequence[RunSpec],
-                    differences: Mapping[str, Sequence[Difference]], folder: Path,
-                    with_twins: Sequence[str] = ()) -> dict[str, Measurement]:
+def measure_cleanly(
+    base: Checkout,
+    head: Checkout,
+    specs: Sequence[RunSpec],
+    differences: Mapping[str, Sequence[Difference]],
+    folder: Path,
+    with_twins: Sequence[str] = (),
+) -> dict[str, Measurement]:
     """case -> its clean measurement, for every case whose runs first differ at a step
     (`differences`: case -> `first_differences` of its runs). After step 0, BASE's code keeps its state before that step and replays from it (and,
     for the cases `with_twins`, under each rounding twin: the replay's noise), then HEAD's code
     replays from the same state; a replay that cannot run is the case's `problem`, never an error
     of the command. At step 0 nothing runs: both runs started from the same state."""
-    starts = {case: first.step for case, found in differences.items()
-              if (first := first_of(found)) is not None and first.step is not None}
+    starts = {
+        case: first.step
+        for case, found in differences.items()
+        if (first := first_of(found)) is not None and first.step is not None
+    }
     measured = {case: Measurement(0, 0) for case, start in starts.items() if start == 0}
     todo = [spec for spec in specs if starts.get(case_id(spec), 0) > 0]
     base_replays: dict[str, xr.Dataset] = {}
@@ -154,10 +178,16 @@ def measure_cleanly(base: Checkout, head: Checkout, specs: Sequence[RunSpec],
         if not group:
             continue
         out = folder / ("base-replays-twins" if twinned else "base-replays")
-        replays, failed = replay_side(base, group, out, f"keeping the state and replaying {len(group)} case(s)"
-                                  + (" (and under each rounding twin)" if twinned else ""),
-                                  "--keep-state-at", ",".join(str(starts[case_id(spec)]) for spec in group),
-                                  *(["--twins"] if twinned else []))
+        replays, failed = replay_side(
+            base,
+            group,
+            out,
+            f"keeping the state and replaying {len(group)} case(s)"
+            + (" (and under each rounding twin)" if twinned else ""),
+            "--keep-state-at",
+            ",".join(str(starts[case_id(spec)]) for spec in group),
+            *(["--twins"] if twinned else []),
+        )
         base_replays.update(replays)
         problems.update(failed)
         for spec in group:
@@ -168,9 +198,18 @@ def measure_cleanly(base: Checkout, head: Checkout, specs: Sequence[RunSpec],
             if twinned:
                 twins[case_id(spec)] = load_twins(out, case_id(spec))
     kept = [spec for spec in todo if case_id(spec) in base_replays]
-    head_replays, head_problems = replay_side(head, kept, folder / "head-replays",
-                                          f"replaying {len(kept)} case(s) from BASE's state",
-                                          "--replay-from", str(folder / "states")) if kept else ({}, {})
+    head_replays, head_problems = (
+        replay_side(
+            head,
+            kept,
+            folder / "head-replays",
+            f"replaying {len(kept)} case(s) from BASE's state",
+            "--replay-from",
+            str(folder / "states"),
+        )
+        if kept
+        else ({}, {})
+    )
     problems.update(head_problems)
     for spec in todo:
         case, start = case_id(spec), starts[case_id(spec)]
@@ -178,27 +217,52 @@ def measure_cleanly(base: Checkout, head: Checkout, specs: Sequence[RunSpec],
             measured[case] = Measurement(start, replay_steps(spec, start), problem=problems[case])
             continue
         tolerance = twin_tolerance([base_replays[case]], twins[case]) if twins.get(case) else None
-        measured[case] = Measurement(start, replay_steps(spec, start),
-                                     tuple(first_differences(base_replays[case], head_replays[case])),
-                                     base=base_replays[case], head=head_replays[case], tolerance=tolerance)
+        measured[case] = Measurement(
+            start,
+            replay_steps(spec, start),
+            tuple(first_differences(base_replays[case], head_replays[case])),
+            base=base_replays[case],
+            head=head_replays[case],
+            tolerance=tolerance,
+        )
     return measured
 
 
-def load_diff_references(specs: Sequence[RunSpec], project: ProjectConfig, baseline_dir: str) -> dict[str, Reference]:
+def load_diff_references(
+    specs: Sequence[RunSpec], project: ProjectConfig, baseline_dir: str
+) -> dict[str, Reference]:
     """case -> what HEAD's change is judged against: the project's rules, and the case's
     baseline and stored replay where they exist for this spec (a case without them is judged
     against BASE's rounding twins)."""
-    return {case_id(spec): load_reference(case_id(spec), spec.to_json(), baseline_dir=baseline_dir, project=project,
-                                          regen_hint=default_regen_hint(case_id(spec)), baseline=OPTIONAL,
-                                          replay=SKIPPED if replay_start(spec) is None else OPTIONAL, strict=False)
-            for spec in specs}
+    return {
+        case_id(spec): load_reference(
+            case_id(spec),
+            spec.to_json(),
+            baseline_dir=baseline_dir,
+            project=project,
+            regen_hint=default_regen_hint(case_id(spec)),
+            baseline=OPTIONAL,
+            replay=SKIPPED if replay_start(spec) is None else OPTIONAL,
+            strict=False,
+        )
+        for spec in specs
+    }
 
 
-def compare_sides(base: SideRuns, head: SideRuns, specs: Sequence[RunSpec], references: Mapping[str, Reference],
-                  report_dir: Path, charts: str, *, strict: bool = False,
-                  noise: Mapping[str, Mapping[str, float]] | None = None,
-                  measured: Mapping[str, Measurement] | None = None, names: tuple[str, str] = ("HEAD", "BASE"),
-                  metric: str | None = None) -> list[CaseDiff]:
+def compare_sides(
+    base: SideRuns,
+    head: SideRuns,
+    specs: Sequence[RunSpec],
+    references: Mapping[str, Reference],
+    report_dir: Path,
+    charts: str,
+    *,
+    strict: bool = False,
+    noise: Mapping[str, Mapping[str, float]] | None = None,
+    measured: Mapping[str, Measurement] | None = None,
+    names: tuple[str, str] = ("HEAD", "BASE"),
+    metric: str | None = None,
+) -> list[CaseDiff]:
     """Every case of `specs`: its differences and the verdict on HEAD's change (verdicts/change.py):
     against the case's baseline with what BASE's run shows set aside, or else against BASE's run
     within `noise` (its first point's rounding twins, case -> tolerance) and the clean
@@ -213,58 +277,118 @@ def compare_sides(base: SideRuns, head: SideRuns, specs: Sequence[RunSpec], refe
         if not differences:
             outcome, judged = verdict(case, []), "bitwise identical"
         elif reference.baseline is not None:
-            outcome, judged = _against_baseline(head, base, case, reference, report_dir, charts, names), "baseline"
+            outcome, judged = (
+                _against_baseline(head, base, case, reference, report_dir, charts, names),
+                "baseline",
+            )
         else:
             clean = (measured or {}).get(case)
-            outcome = _against_base(head_run, base_run, case, reference, (noise or {}).get(case, {}), clean,
-                                    report_dir, charts, names)
+            outcome = _against_base(
+                head_run,
+                base_run,
+                case,
+                reference,
+                (noise or {}).get(case, {}),
+                clean,
+                report_dir,
+                charts,
+                names,
+            )
             judged = "BASE's rounding twins"
         if strict and differences and not judge.blocks(outcome):
-            outcome = verdict(case, [strict_finding(case, differences[0].describe()), *outcome.findings],
-                              outcome.charts)
+            outcome = verdict(
+                case, [strict_finding(case, differences[0].describe()), *outcome.findings], outcome.charts
+            )
         if metric is not None:
             outcome = verdict(case, [f for f in outcome.findings if f.metric == metric], outcome.charts)
         compared.append(CaseDiff(case, differences, outcome, "strict" if strict else judged))
     return compared
 
 
-def _against_baseline(head: SideRuns, base: SideRuns, case: str, reference: Reference, report_dir: Path,
-                      charts: str, names: tuple[str, str]) -> CaseVerdict:
+def _against_baseline(
+    head: SideRuns,
+    base: SideRuns,
+    case: str,
+    reference: Reference,
+    report_dir: Path,
+    charts: str,
+    names: tuple[str, str],
+) -> CaseVerdict:
     """HEAD and BASE judged against the case's baseline as `run` judges; BASE's findings set aside."""
-    head_outcome = judge_case(head.runs[case], reference, report_dir, charts, replay=head.replays.get(case),
-                              names=(names[0], "baseline"))
-    base_outcome = judge_and_chart(base.runs[case], reference, replay=base.replays.get(case),
-                                   known=KNOWN_VIOLATIONS.get(case, ()))
+    head_outcome = judge_case(
+        head.runs[case],
+        reference,
+        report_dir,
+        charts,
+        replay=head.replays.get(case),
+        names=(names[0], "baseline"),
+    )
+    base_outcome = judge_and_chart(
+        base.runs[case], reference, replay=base.replays.get(case), known=KNOWN_VIOLATIONS.get(case, ())
+    )
     return verdict(case, set_aside_base(head_outcome.findings, base_outcome.findings), head_outcome.charts)
 
 
-def _against_base(head_run: xr.Dataset, base_run: xr.Dataset, case: str, reference: Reference,
-                  noise: Mapping[str, float], clean: Measurement | None, report_dir: Path, charts: str,
-                  names: tuple[str, str]) -> CaseVerdict:
+def _against_base(
+    head_run: xr.Dataset,
+    base_run: xr.Dataset,
+    case: str,
+    reference: Reference,
+    noise: Mapping[str, float],
+    clean: Measurement | None,
+    report_dir: Path,
+    charts: str,
+    names: tuple[str, str],
+) -> CaseVerdict:
     """HEAD against BASE's run: its first point within BASE's rounding twins, the clean replay within
     the replay's, the recipes (the suite's and the observed) unchanged; the rules and invariants as `run` checks them,
     what BASE's run shows set aside."""
     # nothing to regenerate: the case has no baseline
-    against_base = dataclasses.replace(reference, baseline=None, regen_hint="",
-                                       stored_replay=clean.stored() if clean else None)
-    extra = [*first_point_findings(head_run, base_run, noise),
-             *check_recipes(head_run, base_run)]
+    against_base = dataclasses.replace(
+        reference, baseline=None, regen_hint="", stored_replay=clean.stored() if clean else None
+    )
+    extra = [*first_point_findings(head_run, base_run, noise), *check_recipes(head_run, base_run)]
     if clean is not None and clean.problem:  # no noise to judge the change by: it cannot pass
-        extra.append(Finding.error(case, "numerics", f"numerics changed from step {clean.start} and "
-                                   f"cannot be judged beyond noise without a clean measurement ({clean.problem}); "
-                                   "give the case a baseline, or judge with --strict"))
-    head_outcome = judge_case(head_run, against_base, report_dir, charts, extra_findings=extra,
-                              replay=clean.head if clean and clean.stored() is not None else None,
-                              drawn_against=base_run, names=names)
-    base_outcome = judge_and_chart(base_run, dataclasses.replace(reference, baseline=None, stored_replay=None),
-                                   known=KNOWN_VIOLATIONS.get(case, ()))
+        extra.append(
+            Finding.error(
+                case,
+                "numerics",
+                f"numerics changed from step {clean.start} and "
+                f"cannot be judged beyond noise without a clean measurement ({clean.problem}); "
+                "give the case a baseline, or judge with --strict",
+            )
+        )
+    head_outcome = judge_case(
+        head_run,
+        against_base,
+        report_dir,
+        charts,
+        extra_findings=extra,
+        replay=clean.head if clean and clean.stored() is not None else None,
+        drawn_against=base_run,
+        names=names,
+    )
+    base_outcome = judge_and_chart(
+        base_run,
+        dataclasses.replace(reference, baseline=None, stored_replay=None),
+        known=KNOWN_VIOLATIONS.get(case, ()),
+    )
     return verdict(case, set_aside_base(head_outcome.findings, base_outcome.findings), head_outcome.charts)
 
 
-def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, strict: bool | None = None,
-                 metric: str | None = None, rules_file: str = DEFAULT_RULES_FILE,
-                 baseline_dir: str = DEFAULT_BASELINE_DIR, report_dir: str | None = None,
-                 charts: str = "failing", workers: int | None = None) -> int:
+def diff_commits(
+    base_ref: str,
+    head_ref: str | None,
+    selection: Selection,
+    *,
+    strict: bool | None = None,
+    metric: str | None = None,
+    rules_file: str = DEFAULT_RULES_FILE,
+    baseline_dir: str = DEFAULT_BASELINE_DIR,
+    report_dir: str | None = None,
+    charts: str = "failing",
+    workers: int | None = None,
+) -> int:
     """Train the selection with BASE's and HEAD's code, print where each case changed, judge the
     change (verdicts/change.py) and write the report; the exit status (0: unchanged, or changed
     within noise when not strict). `strict` None: the project's `diff_strict` (default false)."""
@@ -276,45 +400,105 @@ def diff_commits(base_ref: str, head_ref: str | None, selection: Selection, *, s
     strict = project.diff_strict if strict is None else strict
     references = load_diff_references(specs, project, baseline_dir)
     config = Path(selection.config).resolve() if selection.config else None
-    with tempfile.TemporaryDirectory(prefix="precision-suite-diff-") as name, tool_snapshot() as tool, \
-            side_tree(base, root) as base_tree, side_tree(head, root) as head_tree:
+    with (
+        tempfile.TemporaryDirectory(prefix="precision-suite-diff-") as name,
+        tool_snapshot() as tool,
+        side_tree(base, root) as base_tree,
+        side_tree(head, root) as head_tree,
+    ):
         folder = Path(name)
-        base_code, head_code = (Checkout(base, root, base_tree, tool, config), Checkout(head, root, head_tree, tool, config))
+        base_code, head_code = (
+            Checkout(base, root, base_tree, tool, config),
+            Checkout(head, root, head_tree, tool, config),
+        )
         base_runs = train_side(base_code, specs, folder / "base", workers, baseline_dir)
         head_runs = train_side(head_code, specs, folder / "head", workers, baseline_dir)
         out = report_folder(report_dir)
         names = (_name(root, head), _name(root, base))
-        compared, measured = judge_commits(base_code, head_code, specs, base_runs, head_runs, references, folder, out,
-                                           charts, strict=strict, metric=metric, names=names)
+        compared, measured = judge_commits(
+            base_code,
+            head_code,
+            specs,
+            base_runs,
+            head_runs,
+            references,
+            folder,
+            out,
+            charts,
+            strict=strict,
+            metric=metric,
+            names=names,
+        )
         sides = [base_code.describes(), head_code.describes()]
     print(f"{names[0]} against {names[1]}:")
     print("\n".join(f"  {line}" for line in sides))
     print(f"judged {gate_text(strict, *_judged(compared))}")
     for case in compared:
-        print("\n".join(case.lines(metric) + (measured[case.case].lines(metric) if case.case in measured else [])))
-    context = [f"{names[0]} against {names[1]}", *sides,
-               f"judged {gate_text(strict, *_judged(compared))}"]
-    return finish([case.verdict for case in compared], head_runs.runs, out, charts,
-                  title=f"diff: {names[0]} against {names[1]}", context=context)
+        print(
+            "\n".join(
+                case.lines(metric) + (measured[case.case].lines(metric) if case.case in measured else [])
+            )
+        )
+    context = [f"{names[0]} against {names[1]}", *sides, f"judged {gate_text(strict, *_judged(compared))}"]
+    return finish(
+        [case.verdict for case in compared],
+        head_runs.runs,
+        out,
+        charts,
+        title=f"diff: {names[0]} against {names[1]}",
+        context=context,
+    )
 
 
-def judge_commits(base_code: Checkout, head_code: Checkout, specs: Sequence[RunSpec], base_runs: SideRuns,
-                  head_runs: SideRuns, references: Mapping[str, Reference], folder: Path, report_dir: Path,
-                  charts: str, *, strict: bool, metric: str | None = None,
-                  names: tuple[str, str] = ("HEAD", "BASE")) -> tuple[list[CaseDiff], dict[str, Measurement]]:
+def judge_commits(
+    base_code: Checkout,
+    head_code: Checkout,
+    specs: Sequence[RunSpec],
+    base_runs: SideRuns,
+    head_runs: SideRuns,
+    references: Mapping[str, Reference],
+    folder: Path,
+    report_dir: Path,
+    charts: str,
+    *,
+    strict: bool,
+    metric: str | None = None,
+    names: tuple[str, str] = ("HEAD", "BASE"),
+) -> tuple[list[CaseDiff], dict[str, Measurement]]:
     """The verdict on each case's change between two trained sides (`compare_sides`), after what
     it needs: the clean measurement of every case that changed after step 0, and for the changed
     cases without a baseline (unless `strict`) BASE's rounding twins of their first step and of
     their clean replay. Returns (the cases compared, their clean measurements)."""
-    differences = {case_id(spec): case_differences(base_runs.runs[case_id(spec)], head_runs.runs[case_id(spec)])
-                   for spec in specs}
-    twinned = [] if strict else [spec for spec in specs
-                                 if differences[case_id(spec)] and references[case_id(spec)].baseline is None]
+    differences = {
+        case_id(spec): case_differences(base_runs.runs[case_id(spec)], head_runs.runs[case_id(spec)])
+        for spec in specs
+    }
+    twinned = (
+        []
+        if strict
+        else [
+            spec
+            for spec in specs
+            if differences[case_id(spec)] and references[case_id(spec)].baseline is None
+        ]
+    )
     noise = first_step_noise(base_code, twinned, base_runs.runs, folder / "base-twins")
-    measured = measure_cleanly(base_code, head_code, specs, differences, folder,
-                               with_twins=[case_id(spec) for spec in twinned])
-    compared = compare_sides(base_runs, head_runs, specs, references, report_dir, charts, strict=strict, noise=noise,
-                             measured=measured, names=names, metric=metric)
+    measured = measure_cleanly(
+        base_code, head_code, specs, differences, folder, with_twins=[case_id(spec) for spec in twinned]
+    )
+    compared = compare_sides(
+        base_runs,
+        head_runs,
+        specs,
+        references,
+        report_dir,
+        charts,
+        strict=strict,
+        noise=noise,
+        measured=measured,
+        names=names,
+        metric=metric,
+    )
     return compared, measured
 
 
@@ -324,11 +508,13 @@ def case_differences(base: xr.Dataset, head: xr.Dataset) -> tuple[Difference, ..
 
 
 def _name(root: Path, side: Side) -> str:
-    """"HEAD 1a2b3c4 (its subject)", or "HEAD (working tree)"."""
+    """ "HEAD 1a2b3c4 (its subject)", or "HEAD (working tree)"."""
     return f"{side.name} ({git.subject(root, side.sha)})" if side.sha else side.name
 
 
 def _judged(compared: Sequence[CaseDiff]) -> tuple[list[str], list[str]]:
     """(cases judged against their baseline, cases judged against BASE's twins)."""
-    return ([c.case for c in compared if c.judged_by == "baseline"],
-            [c.case for c in compared if c.judged_by == "BASE's rounding twins"])
+    return (
+        [c.case for c in compared if c.judged_by == "baseline"],
+        [c.case for c in compared if c.judged_by == "BASE's rounding twins"],
+    )

@@ -105,29 +105,38 @@ class Accumulation:
         return self.mode != "fp32"
 
     def text(self) -> str:
-        """"fp32", "hopper-fast" or "hopper-promoted:128": what `parse_accumulation` reads."""
+        """ "fp32", "hopper-fast" or "hopper-promoted:128": what `parse_accumulation` reads."""
         return f"{self.mode}:{self.interval}" if self.mode == "hopper-promoted" else self.mode
 
 
 def parse_accumulation(text: object) -> Accumulation:
-    """"fp32", "hopper-fast", "hopper-promoted" (every 128) or "hopper-promoted:N"."""
+    """ "fp32", "hopper-fast", "hopper-promoted" (every 128) or "hopper-promoted:N"."""
     if not isinstance(text, str):
-        raise TypeError(f"accumulation is written \"fp32\", \"hopper-fast\" or \"hopper-promoted[:N]\", got {text!r}")
+        raise TypeError(
+            f'accumulation is written "fp32", "hopper-fast" or "hopper-promoted[:N]", got {text!r}'
+        )
     mode, _, interval = text.partition(":")
     if interval and mode != "hopper-promoted":
-        raise ValueError(f"accumulation {text!r}: only hopper-promoted takes an interval (\"hopper-promoted:128\")")
+        raise ValueError(
+            f'accumulation {text!r}: only hopper-promoted takes an interval ("hopper-promoted:128")'
+        )
     if interval and not interval.isdigit():
-        raise ValueError(f"accumulation {text!r}: the promotion interval is a number of elements of K, e.g. 128")
+        raise ValueError(
+            f"accumulation {text!r}: the promotion interval is a number of elements of K, e.g. 128"
+        )
     return Accumulation(mode, int(interval) if interval else PROMOTION_INTERVAL)
 
 
 def _check_interval(interval: object) -> None:
     if not isinstance(interval, int) or isinstance(interval, bool) or interval < GROUP or interval % GROUP:
-        raise ValueError(f"promotion interval {interval!r}: a positive multiple of {GROUP} (the tensor core's "
-                         "group of products), such as 128")
+        raise ValueError(
+            f"promotion interval {interval!r}: a positive multiple of {GROUP} (the tensor core's "
+            "group of products), such as 128"
+        )
 
 
 # ----------------------------------------------------------------------------- operands
+
 
 class _FP8(NamedTuple):
     """A checked GEMM operand: its values as float32, its FP8 codes (as int32, to index tables of
@@ -141,17 +150,26 @@ class _FP8(NamedTuple):
 _code_tables: dict[tuple[str, str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _look_up(codes: torch.Tensor, element: str, what: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _look_up(
+    codes: torch.Tensor, element: str, what: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Each code's entry in a table over the element's 256 codes, as `dtype`: "values" (NaN, Inf
     where the element has them) or "weights" (see `_WEIGHT_BITS`). index_select: several times faster than
     a float8 cast."""
     key = (element, what, dtype, codes.device)
     if key not in _code_tables:
         grid = get_format(element).element
-        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, grid.torch_dtype)).double()
+        values = (
+            torch.arange(256, dtype=torch.int32)
+            .to(torch.uint8)
+            .view(getattr(torch, grid.torch_dtype))
+            .double()
+        )
         if what == "weights":
             exponents = torch.frexp(values)[1].double().sub(1).clamp(min=grid.emin)
-            values = torch.where((values != 0) & values.isfinite(), torch.exp2(exponents * 2**_WEIGHT_BITS - 4), 0.0)
+            values = torch.where(
+                (values != 0) & values.isfinite(), torch.exp2(exponents * 2**_WEIGHT_BITS - 4), 0.0
+            )
         _code_tables[key] = values.to(dtype).to(codes.device)
     return _code_tables[key].index_select(0, codes.flatten()).view(codes.shape)
 
@@ -168,39 +186,55 @@ def _operand(x: torch.Tensor, element: str | None, name: str) -> _FP8:
         codes = x.view(torch.uint8).int()
         return _FP8(_look_up(codes, by_dtype[x.dtype], "values"), codes, by_dtype[x.dtype])
     if element is None:
-        raise ValueError(f"{name} is {x.dtype}: pass elements=(\"e4m3\" or \"e5m2\", ...) to say which FP8 "
-                         "element its values are, or a float8 tensor")
+        raise ValueError(
+            f'{name} is {x.dtype}: pass elements=("e4m3" or "e5m2", ...) to say which FP8 '
+            "element its values are, or a float8 tensor"
+        )
     if element not in HOPPER_ELEMENTS:
-        raise ValueError(f"{name}: element {element!r} has no tensor-core accumulation model; use e4m3 or e5m2")
+        raise ValueError(
+            f"{name}: element {element!r} has no tensor-core accumulation model; use e4m3 or e5m2"
+        )
     x = x.float()
     codes = x.to(getattr(torch, get_format(element).element.torch_dtype)).view(torch.uint8).int()
     on_grid = (_look_up(codes, element, "values") == x) | x.isnan()
     if not bool(on_grid.all()):
         value = x[~on_grid].flatten()[0].item()
-        raise ValueError(f"{name} holds {value!r}, not an {element} value: pass the FP8 elements (dequantized "
-                         "values over their scales, `split_dequantized`), not the dequantized tensor")
+        raise ValueError(
+            f"{name} holds {value!r}, not an {element} value: pass the FP8 elements (dequantized "
+            "values over their scales, `split_dequantized`), not the dequantized tensor"
+        )
     return _FP8(x, codes, element)
 
 
-def _operands(a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str) -> tuple[_FP8, _FP8]:
+def _operands(
+    a: torch.Tensor, b: torch.Tensor, elements: tuple[str, str] | None, mode: str
+) -> tuple[_FP8, _FP8]:
     """a (M, K) and b (K, N) checked. ``fp32`` takes any floating-point operands (a float32 GEMM
     of whatever they hold: no codes, no element)."""
     if mode == "fp32":
         for x, name in ((a, "a"), (b, "b")):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-                raise ValueError(f"{name} must be a 2-D floating-point tensor, got {type(x).__name__} "
-                                 f"{getattr(x, 'shape', '')}")
+                raise ValueError(
+                    f"{name} must be a 2-D floating-point tensor, got {type(x).__name__} "
+                    f"{getattr(x, 'shape', '')}"
+                )
         if a.shape[1] != b.shape[0]:
-            raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a GEMM needs a (M, K) and b (K, N)")
+            raise ValueError(
+                f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a GEMM needs a (M, K) and b (K, N)"
+            )
         return _FP8(a.float(), None, ""), _FP8(b.float(), None, "")
     element_a, element_b = elements if elements is not None else (None, None)
     a, b = _operand(a, element_a, "a"), _operand(b, element_b, "b")
     if a.values.shape[1] != b.values.shape[0]:
-        raise ValueError(f"a is {tuple(a.values.shape)} and b is {tuple(b.values.shape)}: a GEMM needs a (M, K) and "
-                         "b (K, N)")
+        raise ValueError(
+            f"a is {tuple(a.values.shape)} and b is {tuple(b.values.shape)}: a GEMM needs a (M, K) and "
+            "b (K, N)"
+        )
     if a.element == b.element == "e5m2":
-        raise ValueError("E5M2 x E5M2 has no accumulation model: cuBLAS and torch._scaled_mm refuse it; make one "
-                         "operand e4m3")
+        raise ValueError(
+            "E5M2 x E5M2 has no accumulation model: cuBLAS and torch._scaled_mm refuse it; make one "
+            "operand e4m3"
+        )
     if a.values.device != b.values.device:
         raise ValueError(f"a is on {a.values.device} and b on {b.values.device}")
     return a, b
@@ -241,15 +275,22 @@ def _alignment(weight_sums: torch.Tensor, chain_bits: torch.Tensor) -> tuple[tor
     return (FRACTION_BITS - e + 127) << 23, (e - FRACTION_BITS + 127) << 23
 
 
-def _add_group(a: torch.Tensor, b: torch.Tensor, inverse_quantum: torch.Tensor, quantum: torch.Tensor,
-               chain: torch.Tensor) -> torch.Tensor:
+def _add_group(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inverse_quantum: torch.Tensor,
+    quantum: torch.Tensor,
+    chain: torch.Tensor,
+) -> torch.Tensor:
     """The chains after one group (steps 3-4): a (C, M, 32), b (C, 32, N) float32 values.
 
     Exact: a product of two FP8 values has at most 8 significant bits, times a power of two it is
     exact in float32 (or below 1, where truncation gives 0 however it rounded); the conversion to
     an integer truncates each term (below 2^15; their sum, below 2^21, in integer additions, which
     a CPU chains faster than float ones); times the quantum the sum is exact again."""
-    terms = (a[:, :, :, None] * b[:, None, :, :] * inverse_quantum[:, :, None]).int().sum(2, dtype=torch.int32)
+    terms = (
+        (a[:, :, :, None] * b[:, None, :, :] * inverse_quantum[:, :, None]).int().sum(2, dtype=torch.int32)
+    )
     total = (terms.float() + torch.trunc(chain * inverse_quantum)) * quantum
     # a zero result is +0, as the hardware's: the chain starts from +0, the group's largest
     # product never truncates to zero, and a sum that cancels is +0 under round to nearest
@@ -269,7 +310,9 @@ def _steps(products: int) -> tuple[Callable, Callable] | None:
             tag = f"precision_suite accumulation {fn.__qualname__}"
             # inductor's defaults: the quantizer's options would recompute the alignment's bit
             # arithmetic inside the group's reduction loop instead of reading it once
-            compiled = torch.compile(fn, dynamic=False, backend=quantization.inductor_backend(tag, options={}))
+            compiled = torch.compile(
+                fn, dynamic=False, backend=quantization.inductor_backend(tag, options={})
+            )
             _compiled_steps.append(_with_dynamic_sizes(compiled, fn))
     return _compiled_steps[0], _compiled_steps[1]
 
@@ -277,6 +320,7 @@ def _steps(products: int) -> tuple[Callable, Callable] | None:
 def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
     """`compiled` with every dimension but a group's 32 elements dynamic: one graph serves every
     GEMM shape (the number of chains, rows and columns)."""
+
     def call(*tensors: torch.Tensor) -> torch.Tensor:
         for tensor in tensors:
             for dim, size in enumerate(tensor.shape):
@@ -287,6 +331,7 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
         except Exception as err:  # e.g. no C++ compiler for inductor: eager gives the same bits
             quantization.give_up_compiling(err)
             return eager(*tensors)
+
     return call
 
 
@@ -308,8 +353,12 @@ def _chains(a: _FP8, b: _FP8, length: int) -> Iterator[tuple[int, slice, torch.T
     b_groups = padded(b.values, (0, 0, 0, pad)).reshape(runs, groups, GROUP, n)
     dtype = torch.bfloat16 if a.element == b.element == "e4m3" else torch.float64
     # w(x) = 2^(8 e(x) - 4), 0 for zeros and the non-finite codes (which read as zeros)
-    weights_a = _look_up(padded(a.codes, (0, pad)), a.element, "weights", dtype).reshape(m, runs, groups, GROUP)
-    weights_b = _look_up(padded(b.codes, (0, 0, 0, pad)), b.element, "weights", dtype).reshape(runs, groups, GROUP, n)
+    weights_a = _look_up(padded(a.codes, (0, pad)), a.element, "weights", dtype).reshape(
+        m, runs, groups, GROUP
+    )
+    weights_b = _look_up(padded(b.codes, (0, 0, 0, pad)), b.element, "weights", dtype).reshape(
+        runs, groups, GROUP, n
+    )
     steps = _steps(m * n * k)
     alignment, add_group = steps if steps is not None else (_alignment, _add_group)
     # Eagerly a step's temporaries hold GROUP products per output: tiles of runs and rows bound
@@ -326,8 +375,9 @@ def _chains(a: _FP8, b: _FP8, length: int) -> Iterator[tuple[int, slice, torch.T
                 weight_sums = torch.bmm(weights_a[ms, rs, g].transpose(0, 1), weights_b[rs, g])
                 bits = alignment(weight_sums, chain.view(torch.int32))
                 inverse_quantum, quantum = (x.view(torch.float32) for x in bits)
-                chain = add_group(a_groups[ms, rs, g].transpose(0, 1), b_groups[rs, g], inverse_quantum, quantum,
-                                  chain)
+                chain = add_group(
+                    a_groups[ms, rs, g].transpose(0, 1), b_groups[rs, g], inverse_quantum, quantum, chain
+                )
             for index, run in enumerate(range(r0, min(r0 + tile_runs, runs))):
                 yield run, ms, chain[index]
 
@@ -345,12 +395,24 @@ def _nonfinite(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         return x.double() @ y.double()
 
     finite_a = a.isfinite()
-    positive = (count(a == inf, b > 0) + count(a == -inf, b < 0)
-                + count(finite_a & (a > 0), b == inf) + count(finite_a & (a < 0), b == -inf))
-    negative = (count(a == inf, b < 0) + count(a == -inf, b > 0)
-                + count(finite_a & (a > 0), b == -inf) + count(finite_a & (a < 0), b == inf))
-    nan = (a.isnan().any(1)[:, None] | b.isnan().any(0)[None, :]
-           | (count(a.isinf(), b == 0) + count(a == 0, b.isinf()) > 0) | ((positive > 0) & (negative > 0)))
+    positive = (
+        count(a == inf, b > 0)
+        + count(a == -inf, b < 0)
+        + count(finite_a & (a > 0), b == inf)
+        + count(finite_a & (a < 0), b == -inf)
+    )
+    negative = (
+        count(a == inf, b < 0)
+        + count(a == -inf, b > 0)
+        + count(finite_a & (a > 0), b == -inf)
+        + count(finite_a & (a < 0), b == inf)
+    )
+    nan = (
+        a.isnan().any(1)[:, None]
+        | b.isnan().any(0)[None, :]
+        | (count(a.isinf(), b == 0) + count(a == 0, b.isinf()) > 0)
+        | ((positive > 0) & (negative > 0))
+    )
     where = nan | (positive > 0) | (negative > 0)
     canonical = torch.tensor(_CANONICAL_NAN, dtype=torch.int32, device=a.device).view(torch.float32)
     value = torch.where(nan, canonical, torch.where(positive > 0, inf, -inf))
@@ -361,8 +423,9 @@ def _patched(out: torch.Tensor, special: tuple[torch.Tensor, torch.Tensor] | Non
     return out if special is None else torch.where(special[0], special[1], out)
 
 
-def _runs(a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tensor, torch.Tensor] | None
-          ) -> Iterator[tuple[int, slice, torch.Tensor]]:
+def _runs(
+    a: _FP8, b: _FP8, mode: str, chunk: int, special: tuple[torch.Tensor, torch.Tensor] | None
+) -> Iterator[tuple[int, slice, torch.Tensor]]:
     """`_chains` of a hopper mode (K > 0), non-finite elements read as zeros (`special` says
     where the outputs are not finite)."""
     if special is not None:
@@ -383,8 +446,14 @@ def _accumulate(a: _FP8, b: _FP8, mode: str, chunk: int) -> torch.Tensor:
     return _patched(total, special)
 
 
-def accumulate(a: torch.Tensor, b: torch.Tensor, mode: str, chunk: int = PROMOTION_INTERVAL, *,
-               elements: tuple[str, str] | None = None) -> torch.Tensor:
+def accumulate(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mode: str,
+    chunk: int = PROMOTION_INTERVAL,
+    *,
+    elements: tuple[str, str] | None = None,
+) -> torch.Tensor:
     """The float32 accumulator of a (M, K) @ b (K, N) before any scale, as `mode` computes it
     (the module docstring; what mmaemu.accumulate returns for an unsplit GEMM).
 
@@ -398,14 +467,19 @@ def accumulate(a: torch.Tensor, b: torch.Tensor, mode: str, chunk: int = PROMOTI
 
 # ----------------------------------------------------------------------------- scales
 
-def _scale(scale: torch.Tensor | float, shape: tuple[int, int], name: str, device: torch.device) -> torch.Tensor:
+
+def _scale(
+    scale: torch.Tensor | float, shape: tuple[int, int], name: str, device: torch.device
+) -> torch.Tensor:
     """A float32 scale broadcastable to `shape` (a scalar, per row, per column or per element),
     positive and finite."""
     s = torch.as_tensor(scale, dtype=torch.float32, device=device)
     s = s.reshape(1, 1) if s.dim() == 0 else s
     if s.dim() != 2 or any(d not in (1, full) for d, full in zip(s.shape, shape)):
-        raise ValueError(f"{name} has shape {tuple(s.shape)}: it must broadcast to its operand's {shape} "
-                         "(a scalar, one per row, one per column, or one per element)")
+        raise ValueError(
+            f"{name} has shape {tuple(s.shape)}: it must broadcast to its operand's {shape} "
+            "(a scalar, one per row, one per column, or one per element)"
+        )
     if not bool(((s > 0) & s.isfinite()).all()):
         raise ValueError(f"{name} must be positive and finite")
     return s
@@ -423,15 +497,19 @@ def _first_of_chunks(s: torch.Tensor, dim: int, chunk: int) -> torch.Tensor:
 
 def _constant_within_chunks(s: torch.Tensor, dim: int, chunk: int) -> bool:
     k = s.shape[dim]
-    return k == 1 or bool((s == _first_of_chunks(s, dim, chunk).repeat_interleave(chunk, dim).narrow(dim, 0, k)).all())
+    return k == 1 or bool(
+        (s == _first_of_chunks(s, dim, chunk).repeat_interleave(chunk, dim).narrow(dim, 0, k)).all()
+    )
 
 
 def _chunk_scales(s: torch.Tensor, dim: int, chunk: int, name: str) -> torch.Tensor:
     """One scale per chunk of K (along `dim`), checked constant within each chunk."""
     if not _constant_within_chunks(s, dim, chunk):
-        raise ValueError(f"{name} changes within a promotion interval of {chunk} elements of K: a scale can only "
-                         "be applied where a chain ends, so each interval must lie within one scale block along K "
-                         "(e.g. 1x128 and 128x128 blocks with an interval of 128)")
+        raise ValueError(
+            f"{name} changes within a promotion interval of {chunk} elements of K: a scale can only "
+            "be applied where a chain ends, so each interval must lie within one scale block along K "
+            "(e.g. 1x128 and 128x128 blocks with an interval of 128)"
+        )
     return _first_of_chunks(s, dim, chunk)
 
 
@@ -444,8 +522,11 @@ def runs_on(scale_a: torch.Tensor | float, scale_b: torch.Tensor | float, accumu
     s_a, s_b = (s.reshape(1, 1) if s.dim() == 0 else s for s in (s_a, s_b))
     if not accumulation.hopper or (_constant_along(s_a, 1) and _constant_along(s_b, 0)):
         return True
-    return (accumulation.mode == "hopper-promoted" and _constant_within_chunks(s_a, 1, accumulation.interval)
-            and _constant_within_chunks(s_b, 0, accumulation.interval))
+    return (
+        accumulation.mode == "hopper-promoted"
+        and _constant_within_chunks(s_a, 1, accumulation.interval)
+        and _constant_within_chunks(s_b, 0, accumulation.interval)
+    )
 
 
 def _fma32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -464,8 +545,16 @@ def _fma32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return torch.where(to_odd, bits + step, bits).view(torch.float64).float()
 
 
-def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
-                mode: str, chunk: int = PROMOTION_INTERVAL, *, elements: tuple[str, str] | None = None) -> torch.Tensor:
+def scaled_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | float,
+    scale_b: torch.Tensor | float,
+    mode: str,
+    chunk: int = PROMOTION_INTERVAL,
+    *,
+    elements: tuple[str, str] | None = None,
+) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) in float32 with `mode`'s accumulation (module docstring).
 
     a (M, K), b (K, N): FP8 elements as for `accumulate`. scale_a broadcasts to (M, K) and
@@ -483,8 +572,10 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     if _constant_along(scale_a, 1) and _constant_along(scale_b, 0):
         return _accumulate(a, b, mode, chunk) * (scale_a[:, :1] * scale_b[:1])
     if mode == "hopper-fast":
-        raise ValueError("hopper-fast accumulates all of K in one tensor-core chain, which cannot apply a scale "
-                         "that changes along K: use scales per tensor, row or column, or hopper-promoted")
+        raise ValueError(
+            "hopper-fast accumulates all of K in one tensor-core chain, which cannot apply a scale "
+            "that changes along K: use scales per tensor, row or column, or hopper-promoted"
+        )
     if k == 0 or m == 0 or n == 0:
         return torch.zeros(m, n, device=device)
     per_chunk_a = _chunk_scales(scale_a, 1, chunk, "scale_a")
@@ -498,7 +589,6 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
     return _patched(total, special)
 
 
-
 # ----------------------------------------------------------------------------- the error metric
 
 # The additive sums of the error metric, in this order: sum (C - R)^2, sum R^2 over the outputs
@@ -509,9 +599,16 @@ ERROR_FIELDS = ("err2", "ref2", "nonfinite", "outputs")
 WHAT_IF = (Accumulation("hopper-fast"), Accumulation("hopper-promoted", PROMOTION_INTERVAL))
 
 
-def accumulation_error_sums(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float,
-                            scale_b: torch.Tensor | float, mode: str, chunk: int = PROMOTION_INTERVAL, *,
-                            elements: tuple[str, str] | None = None) -> torch.Tensor:
+def accumulation_error_sums(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | float,
+    scale_b: torch.Tensor | float,
+    mode: str,
+    chunk: int = PROMOTION_INTERVAL,
+    *,
+    elements: tuple[str, str] | None = None,
+) -> torch.Tensor:
     """How far `mode`'s GEMM lands from the exact product of the same quantized operands, as
     additive sums: float64, one per ERROR_FIELDS [sum (C - R)^2, sum R^2, outputs left out,
     outputs].
@@ -541,12 +638,14 @@ SAMPLED_ROWS = SAMPLED_COLUMNS = 128
 _SUBSET_SEED = 39
 
 
-def output_subset(m: int, n: int, rows: int = SAMPLED_ROWS, columns: int = SAMPLED_COLUMNS
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def output_subset(
+    m: int, n: int, rows: int = SAMPLED_ROWS, columns: int = SAMPLED_COLUMNS
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The rows (of M) and columns (of N) of C a run measures, sorted; None: all of them.
 
     A function of the shape alone (a seeded permutation): the same GEMM of a baseline and of a
     run, on any host and thread count, measures the same outputs."""
+
     def pick(size: int, count: int, axis: int) -> torch.Tensor | None:
         if size <= count:
             return None
@@ -556,17 +655,26 @@ def output_subset(m: int, n: int, rows: int = SAMPLED_ROWS, columns: int = SAMPL
     return pick(m, rows, 0), pick(n, columns, 1)
 
 
-def _subset_of(x: torch.Tensor | float, index: torch.Tensor | None, dim: int, size: int) -> torch.Tensor | float:
+def _subset_of(
+    x: torch.Tensor | float, index: torch.Tensor | None, dim: int, size: int
+) -> torch.Tensor | float:
     """x's entries at `index` along `dim` where x has `size` there (a scale constant along it has 1)."""
     if index is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[dim] != size:
         return x
     return x.index_select(dim, index.to(x.device))
 
 
-def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
-                       accumulations: Sequence[Accumulation], *, elements: tuple[str, str] | None = None,
-                       computed: Mapping[Accumulation, torch.Tensor] | None = None,
-                       sampled: bool = False) -> list[torch.Tensor | None]:
+def error_sums_by_mode(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | float,
+    scale_b: torch.Tensor | float,
+    accumulations: Sequence[Accumulation],
+    *,
+    elements: tuple[str, str] | None = None,
+    computed: Mapping[Accumulation, torch.Tensor] | None = None,
+    sampled: bool = False,
+) -> list[torch.Tensor | None]:
     """`accumulation_error_sums` of one GEMM under each of `accumulations`, each GEMM and the
     float64 product R computed once; None for a mode the hardware cannot run with these scales
     (`runs_on`). `computed`: `scaled_gemm` results already at hand (the GEMM as a run computed it),
@@ -582,10 +690,14 @@ def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor |
     if (rows is not None or columns is not None) and _finite_operands(a, b):
         a, scale_a = _subset_of(a, rows, 0, m), _subset_of(scale_a, rows, 0, m)
         b, scale_b = _subset_of(b, columns, 1, n), _subset_of(scale_b, columns, 1, n)
-        computed = {mode: _subset_of(_subset_of(c, rows, 0, m), columns, 1, n) for mode, c in (computed or {}).items()}
+        computed = {
+            mode: _subset_of(_subset_of(c, rows, 0, m), columns, 1, n) for mode, c in (computed or {}).items()
+        }
         sums = error_sums_by_mode(a, b, scale_a, scale_b, accumulations, elements=elements, computed=computed)
         weight = m * n / (a.shape[0] * b.shape[1])
-        return [None if s is None else torch.cat([s[:3] * weight, s.new_tensor([float(m * n)])]) for s in sums]
+        return [
+            None if s is None else torch.cat([s[:3] * weight, s.new_tensor([float(m * n)])]) for s in sums
+        ]
     reference = None
     results = dict(computed or {})
     out: list[torch.Tensor | None] = []
@@ -594,30 +706,47 @@ def error_sums_by_mode(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor |
             out.append(None)
             continue
         if accumulation not in results:
-            results[accumulation] = scaled_gemm(a, b, scale_a, scale_b, accumulation.mode, accumulation.interval,
-                                                elements=elements)
+            results[accumulation] = scaled_gemm(
+                a, b, scale_a, scale_b, accumulation.mode, accumulation.interval, elements=elements
+            )
         c = results[accumulation]
         if reference is None:
             reference = _float64_product(a, b, scale_a, scale_b, elements, accumulation.mode)
         kept = c.isfinite() & reference.isfinite()
         error = torch.where(kept, c.double() - reference, 0.0)
         exact = torch.where(kept, reference, 0.0)
-        out.append(torch.stack([(error * error).sum(), (exact * exact).sum(), (~kept).sum().double(),
-                                torch.tensor(float(c.numel()), dtype=torch.float64, device=c.device)]))
+        out.append(
+            torch.stack(
+                [
+                    (error * error).sum(),
+                    (exact * exact).sum(),
+                    (~kept).sum().double(),
+                    torch.tensor(float(c.numel()), dtype=torch.float64, device=c.device),
+                ]
+            )
+        )
     return out
 
 
 def _finite_operands(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether every element of a and b is finite (float8 codes read through the value table)."""
+
     def finite(x: torch.Tensor) -> bool:
         if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             x = x.float()
         return bool(torch.isfinite(x).all())
+
     return finite(a) and finite(b)
 
 
-def _float64_product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | float, scale_b: torch.Tensor | float,
-                     elements: tuple[str, str] | None, mode: str) -> torch.Tensor:
+def _float64_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | float,
+    scale_b: torch.Tensor | float,
+    elements: tuple[str, str] | None,
+    mode: str,
+) -> torch.Tensor:
     """R: every element times its scale, products and sums in float64."""
     a, b = (operand.values for operand in _operands(a, b, elements, mode))
     (m, k), n = a.shape, b.shape[1]
@@ -645,8 +774,9 @@ def relative_error(sums: torch.Tensor) -> float:
     return float(relative_errors(torch.as_tensor(sums, dtype=torch.float64).cpu().numpy()))
 
 
-def error_law(rows: int = 32, seed: int = 0, ks: Sequence[int] = LAW_KS,
-              modes: Sequence[str] = ACCUMULATION_MODES) -> list[dict[str, object]]:
+def error_law(
+    rows: int = 32, seed: int = 0, ks: Sequence[int] = LAW_KS, modes: Sequence[str] = ACCUMULATION_MODES
+) -> list[dict[str, object]]:
     """The error's law in K, measured: for each K and each kind of random E4M3 operands (per-tensor
     amax scales), same-sign (|N(0, 1)| entries: every product adds, the sum grows like K) and
     mixed-sign (N(0, 1): the sum grows like sqrt(K)), the `relative_error` of a (rows x K) @
@@ -676,6 +806,7 @@ def _e4m3_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- quantized operands
 
+
 def full_scales(scales: torch.Tensor, layout: Layout, rows: int, cols: int) -> torch.Tensor:
     """A quantization's block scales (n_block_rows, n_block_cols) as one scale per element of
     the rows x cols operand, or (1, 1) for a per-tensor scale."""
@@ -699,6 +830,8 @@ def split_dequantized(dequantized: torch.Tensor, scales: torch.Tensor, element: 
     product = q * scales
     unlike = (product.view(torch.int32) != dequantized.float().view(torch.int32)) & ~dequantized.isnan()
     if bool(unlike.any()):
-        raise ValueError(f"{int(unlike.sum())} of {dequantized.numel()} values are not an {element} element times "
-                         "its scale: pass the scales of the quantization that produced them")
+        raise ValueError(
+            f"{int(unlike.sum())} of {dequantized.numel()} values are not an {element} element times "
+            "its scale: pass the scales of the quantization that produced them"
+        )
     return q

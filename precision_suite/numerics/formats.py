@@ -53,7 +53,9 @@ class ElementType:
 E4M3 = ElementType("e4m3", exp_bits=4, man_bits=3, bias=7, max=448.0, torch_dtype="float8_e4m3fn")
 E5M2 = ElementType("e5m2", exp_bits=5, man_bits=2, bias=15, max=57344.0, torch_dtype="float8_e5m2")
 E2M1 = ElementType("e2m1", exp_bits=2, man_bits=1, bias=1, max=6.0)  # torch has no CPU float4 cast
-BF16 = ElementType("bf16", exp_bits=8, man_bits=7, bias=127, max=float.fromhex("0x1.fep127"), torch_dtype="bfloat16")
+BF16 = ElementType(
+    "bf16", exp_bits=8, man_bits=7, bias=127, max=float.fromhex("0x1.fep127"), torch_dtype="bfloat16"
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,13 @@ FORMATS: dict[str, Format] = {
         Format("e4m3", E4M3, "amax", description="FP8 E4M3 (max 448), one FP32 scale per block"),
         Format("e5m2", E5M2, "amax", description="FP8 E5M2 (max 57344), one FP32 scale per block"),
         Format("mxfp8", E4M3, "e8m0", block=32, description="OCP MXFP8: 32 E4M3 elements, E8M0 scale"),
-        Format("nvfp4", E2M1, "nvfp4", block=16, description="NVFP4: 16 E2M1 elements, E4M3 block scale, FP32 tensor scale"),
+        Format(
+            "nvfp4",
+            E2M1,
+            "nvfp4",
+            block=16,
+            description="NVFP4: 16 E2M1 elements, E4M3 block scale, FP32 tensor scale",
+        ),
         Format("bf16", BF16, "none", description="bfloat16 cast, no scaling (reference)"),
     )
 }
@@ -94,6 +102,4 @@ def get_format(fmt: str | Format) -> Format:
     try:
         return FORMATS[fmt]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown format {fmt!r}: choose one of {', '.join(sorted(FORMATS))}"
-        ) from None
+        raise ValueError(f"unknown format {fmt!r}: choose one of {', '.join(sorted(FORMATS))}") from None

@@ -66,7 +66,11 @@ def parse_layout(spec: object, fmt: str | Format | None = None) -> Layout:
         raise ValueError(f"layout {layout!r}: block dimensions must be positive")
     # a fixed-block format scales vectors of `block` elements along either axis; square blocks of
     # block x block elements share one scale too (the NVFP4 training recipe's 16x16 weight blocks)
-    if f is not None and f.block is not None and layout not in ((1, f.block), (f.block, 1), (f.block, f.block)):
+    if (
+        f is not None
+        and f.block is not None
+        and layout not in ((1, f.block), (f.block, 1), (f.block, f.block))
+    ):
         raise ValueError(
             f"format {f.name!r} scales blocks of {f.block} elements: layout must be "
             f"(1, {f.block}), ({f.block}, 1) or ({f.block}, {f.block}), got {layout!r}"

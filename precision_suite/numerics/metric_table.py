@@ -129,8 +129,11 @@ class Metric:
 
     def attrs(self) -> dict[str, object]:
         """CF-style attributes of the dataset variable holding this metric."""
-        out: dict[str, object] = {"long_name": self.long_name, "units": self.units,
-                                  "description": self.description}
+        out: dict[str, object] = {
+            "long_name": self.long_name,
+            "units": self.units,
+            "description": self.description,
+        }
         if self.valid_range is not None:
             out["valid_min"], out["valid_max"] = self.valid_range
         return out
@@ -138,47 +141,138 @@ class Metric:
 
 _FRACTION = (0.0, 1.0)
 
-METRICS: dict[str, Metric] = {m.name: m for m in (
-    Metric("attention_norm", "attention matrix Frobenius norm", "1",
-           "Frobenius norm of φ(S), mean over heads", (0.0, float("inf")), "up",
-           Space("log", 1e-3, 1e-3),
-           "Frobenius norm of each head's N x N attention matrix phi(S), mean over heads and batch"),
-    Metric("underflow", "underflow fraction", "1", "fraction of elements (non-zero → zero)",
-           _FRACTION, "up", Space("log_count", 0.0, 0.0),
-           "fraction of elements non-zero before and zero after quantization (Transformer Engine underflows%)"),
-    Metric("zeros_after", "zero fraction after quantization", "1", "fraction of elements zero after",
-           _FRACTION, "up", Space("log_count", 0.0, 0.0),
-           "fraction of elements zero after quantization (the Ling 2.0 paper's count)"),
-    Metric("overflow", "overflow fraction", "1", "fraction of elements saturated",
-           _FRACTION, "up", Space("log_count", 0.0, 0.0),
-           "fraction of elements saturated at the format maximum or non-finite after quantization"),
-    Metric("distortion", "quantization distortion (cosine similarity)", "1", "cosine similarity",
-           (-1.0, 1.0), "down", Space("log_one_minus", 1e-2, 1e-2),
-           "cosine similarity of the tensor and its quantize-dequantize reconstruction"),
-    Metric("sqnr_db", "signal to quantization noise ratio", "dB", "SQNR (dB)", None, "down",
-           Space("db", 0.05, 0.05), "20 log10(||x|| / ||x - x_hat||), dB"),
-    Metric("mse", "quantization mean squared error", "1", "mean squared error", (0.0, float("inf")),
-           None, None, "mean squared error of the reconstruction"),
-    Metric("nonfinite", "non-finite element count", "1", "NaN/Inf count", (0.0, float("inf")), "up",
-           Space("log_count", 0.0, 0.0), "NaN/Inf elements seen by the probes"),
-    # an invariant, not compared with baselines: any nonzero count fails the case (verdicts.operand_invariant.check_operands)
-    Metric("operand_mismatch", "consumed operand elements unlike a fresh quantization", "1",
-           "elements unlike a fresh quantization", (0.0, float("inf")), "up", None,
-           "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "
-           "live tensor under the operand's declared format and layout (for stochastic rounding: that are "
-           "neither grid neighbour of the live value); nonzero means a stale or wrongly quantized operand"),
-    # log: a change of accumulation multiplies the error (fast against promoted grows like K / 128)
-    Metric("accumulation_error", "GEMM accumulation relative error", "1", "‖C − R‖_F / ‖R‖_F",
-           (0.0, float("inf")), "up", Space("log", 1e-2, 1e-2),
-           "||C - R||_F / ||R||_F of a GEMM accumulated as an H100's FP8 tensor cores do (C) against the float64 "
-           "product R of the same quantized operands, per GEMM (fprop, dgrad, wgrad) and accumulation: as it ran "
-           "(its recipe's mode, or the model's own use_fast_accum), and what hopper-fast and hopper-promoted:128 "
-           "would give"),
-    Metric("loss", "training cross-entropy", "nats", "cross-entropy (nats)", (0.0, float("inf")), "up",
-           Space("log", 1e-3, 1e-3), "training cross-entropy"),
-    Metric("accuracy", "training top-1 accuracy", "1", "fraction correct", _FRACTION, None, None,
-           "training top-1 accuracy (next byte for the GPT)"),
-)}
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric(
+            "attention_norm",
+            "attention matrix Frobenius norm",
+            "1",
+            "Frobenius norm of φ(S), mean over heads",
+            (0.0, float("inf")),
+            "up",
+            Space("log", 1e-3, 1e-3),
+            "Frobenius norm of each head's N x N attention matrix phi(S), mean over heads and batch",
+        ),
+        Metric(
+            "underflow",
+            "underflow fraction",
+            "1",
+            "fraction of elements (non-zero → zero)",
+            _FRACTION,
+            "up",
+            Space("log_count", 0.0, 0.0),
+            "fraction of elements non-zero before and zero after quantization (Transformer Engine underflows%)",
+        ),
+        Metric(
+            "zeros_after",
+            "zero fraction after quantization",
+            "1",
+            "fraction of elements zero after",
+            _FRACTION,
+            "up",
+            Space("log_count", 0.0, 0.0),
+            "fraction of elements zero after quantization (the Ling 2.0 paper's count)",
+        ),
+        Metric(
+            "overflow",
+            "overflow fraction",
+            "1",
+            "fraction of elements saturated",
+            _FRACTION,
+            "up",
+            Space("log_count", 0.0, 0.0),
+            "fraction of elements saturated at the format maximum or non-finite after quantization",
+        ),
+        Metric(
+            "distortion",
+            "quantization distortion (cosine similarity)",
+            "1",
+            "cosine similarity",
+            (-1.0, 1.0),
+            "down",
+            Space("log_one_minus", 1e-2, 1e-2),
+            "cosine similarity of the tensor and its quantize-dequantize reconstruction",
+        ),
+        Metric(
+            "sqnr_db",
+            "signal to quantization noise ratio",
+            "dB",
+            "SQNR (dB)",
+            None,
+            "down",
+            Space("db", 0.05, 0.05),
+            "20 log10(||x|| / ||x - x_hat||), dB",
+        ),
+        Metric(
+            "mse",
+            "quantization mean squared error",
+            "1",
+            "mean squared error",
+            (0.0, float("inf")),
+            None,
+            None,
+            "mean squared error of the reconstruction",
+        ),
+        Metric(
+            "nonfinite",
+            "non-finite element count",
+            "1",
+            "NaN/Inf count",
+            (0.0, float("inf")),
+            "up",
+            Space("log_count", 0.0, 0.0),
+            "NaN/Inf elements seen by the probes",
+        ),
+        # an invariant, not compared with baselines: any nonzero count fails the case (verdicts.operand_invariant.check_operands)
+        Metric(
+            "operand_mismatch",
+            "consumed operand elements unlike a fresh quantization",
+            "1",
+            "elements unlike a fresh quantization",
+            (0.0, float("inf")),
+            "up",
+            None,
+            "elements of a GEMM operand the recipe consumed that differ from a fresh quantization of the "
+            "live tensor under the operand's declared format and layout (for stochastic rounding: that are "
+            "neither grid neighbour of the live value); nonzero means a stale or wrongly quantized operand",
+        ),
+        # log: a change of accumulation multiplies the error (fast against promoted grows like K / 128)
+        Metric(
+            "accumulation_error",
+            "GEMM accumulation relative error",
+            "1",
+            "‖C − R‖_F / ‖R‖_F",
+            (0.0, float("inf")),
+            "up",
+            Space("log", 1e-2, 1e-2),
+            "||C - R||_F / ||R||_F of a GEMM accumulated as an H100's FP8 tensor cores do (C) against the float64 "
+            "product R of the same quantized operands, per GEMM (fprop, dgrad, wgrad) and accumulation: as it ran "
+            "(its recipe's mode, or the model's own use_fast_accum), and what hopper-fast and hopper-promoted:128 "
+            "would give",
+        ),
+        Metric(
+            "loss",
+            "training cross-entropy",
+            "nats",
+            "cross-entropy (nats)",
+            (0.0, float("inf")),
+            "up",
+            Space("log", 1e-3, 1e-3),
+            "training cross-entropy",
+        ),
+        Metric(
+            "accuracy",
+            "training top-1 accuracy",
+            "1",
+            "fraction correct",
+            _FRACTION,
+            None,
+            None,
+            "training top-1 accuracy (next byte for the GPT)",
+        ),
+    )
+}
 
 # metrics of one quantized tensor, in the order probes record them
 QUANT_METRICS = ("underflow", "zeros_after", "overflow", "distortion", "sqnr_db", "mse")
@@ -191,11 +285,18 @@ def observed_name(metric: str) -> str:
 
 # The same metrics of the quantization the model's own code did (its casts into 8-bit floats, as
 # its scaled GEMMs consumed them), per operand: same definitions, spaces and bad directions.
-METRICS.update({observed_name(name): replace(
-    METRICS[name], name=observed_name(name), long_name=f"observed {METRICS[name].long_name}",
-    counted_by="observed_numel",
-    description=f"{METRICS[name].description}; of the quantization the model's own code did, per GEMM operand")
-    for name in QUANT_METRICS})
+METRICS.update(
+    {
+        observed_name(name): replace(
+            METRICS[name],
+            name=observed_name(name),
+            long_name=f"observed {METRICS[name].long_name}",
+            counted_by="observed_numel",
+            description=f"{METRICS[name].description}; of the quantization the model's own code did, per GEMM operand",
+        )
+        for name in QUANT_METRICS
+    }
+)
 # compared against a seed ensemble, each in its own space
 COMPARED = {name: m for name, m in METRICS.items() if m.space is not None}
 SPACES: dict[str, Space] = {name: m.space for name, m in COMPARED.items()}

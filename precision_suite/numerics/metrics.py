@@ -49,15 +49,22 @@ class QuantStats:
     def __add__(self, other: QuantStats) -> QuantStats:
         return QuantStats(
             self.sums + other.sums,
-            torch.stack([torch.minimum(self.scale_range[0], other.scale_range[0]),
-                         torch.maximum(self.scale_range[1], other.scale_range[1])]),
+            torch.stack(
+                [
+                    torch.minimum(self.scale_range[0], other.scale_range[0]),
+                    torch.maximum(self.scale_range[1], other.scale_range[1]),
+                ]
+            ),
         )
 
     def metrics(self) -> dict[str, float]:
         values = metrics_from_sums(self.sums.double().cpu().numpy())
         scale_min, scale_max = self.scale_range.tolist()
-        return {**{name: float(value) for name, value in values.items()},
-                "scale_min": scale_min, "scale_max": scale_max}
+        return {
+            **{name: float(value) for name, value in values.items()},
+            "scale_min": scale_min,
+            "scale_max": scale_max,
+        }
 
 
 def metrics_from_sums(sums: np.ndarray) -> dict[str, np.ndarray]:
@@ -74,10 +81,14 @@ def metrics_from_sums(sums: np.ndarray) -> dict[str, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         # Cauchy-Schwarz bounds the exact cosine by 1; float64 rounding of the sums may not
         cosine = np.minimum(s["dot"] / np.sqrt(s["xx"] * s["yy"]), 1.0)
-        distortion = np.where((s["xx"] == 0) & (s["yy"] == 0), 1.0,  # zero reproduced as zero
-                              np.where((s["xx"] == 0) | (s["yy"] == 0), 0.0, cosine))
-        sqnr_db = np.where(s["err2"] == 0, np.inf,
-                           np.where(s["xx"] == 0, -np.inf, 10.0 * np.log10(s["xx"] / s["err2"])))
+        distortion = np.where(
+            (s["xx"] == 0) & (s["yy"] == 0),
+            1.0,  # zero reproduced as zero
+            np.where((s["xx"] == 0) | (s["yy"] == 0), 0.0, cosine),
+        )
+        sqnr_db = np.where(
+            s["err2"] == 0, np.inf, np.where(s["xx"] == 0, -np.inf, 10.0 * np.log10(s["xx"] / s["err2"]))
+        )
         nothing = finite <= 0
         return {
             "underflow": s["underflow"] / n,
@@ -110,7 +121,9 @@ def _block_sums(blocks: torch.Tensor, fmt: Format, pow2_scale: bool) -> tuple[to
     return _sums(blocks, x_hat, finite, overflowed), torch.stack([scales.min(), scales.max()])
 
 
-def _sums(x: torch.Tensor, x_hat: torch.Tensor, finite: torch.Tensor, overflowed: torch.Tensor) -> torch.Tensor:
+def _sums(
+    x: torch.Tensor, x_hat: torch.Tensor, finite: torch.Tensor, overflowed: torch.Tensor
+) -> torch.Tensor:
     """SUM_FIELDS of a float32 tensor `x` and its reconstruction `x_hat`: `finite` marks the finite
     elements of x, `overflowed` those whose scaled value rounded past the format's max."""
     x64 = torch.where(finite, x, 0.0).double()
@@ -124,11 +137,13 @@ def _sums(x: torch.Tensor, x_hat: torch.Tensor, finite: torch.Tensor, overflowed
         (overflowed | ~torch.isfinite(x_hat)).sum(dtype=count),
     ]
     products = [(x64 * y64).sum(), (x64 * x64).sum(), (y64 * y64).sum(), ((x64 - y64) ** 2).sum()]
-    return torch.stack([
-        torch.full((), x.numel(), dtype=torch.float64, device=x.device),
-        *(c.double() for c in counts),
-        *products,
-    ])
+    return torch.stack(
+        [
+            torch.full((), x.numel(), dtype=torch.float64, device=x.device),
+            *(c.double() for c in counts),
+            *products,
+        ]
+    )
 
 
 def reconstruction_stats(x: torch.Tensor, x_hat: torch.Tensor, overflowed: torch.Tensor) -> QuantStats:
@@ -140,7 +155,9 @@ def reconstruction_stats(x: torch.Tensor, x_hat: torch.Tensor, overflowed: torch
     return QuantStats(_sums(x, x_hat, torch.isfinite(x), overflowed), nan)
 
 
-def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> QuantStats:
+def quant_stats(
+    x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False
+) -> QuantStats:
     """Quantize `x` and reduce the result to additive sums (see module doc)."""
     x = check_tensor(x)
     if x.numel() == 0:
@@ -156,6 +173,8 @@ def quant_stats(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = No
     return QuantStats(sums, scale_range)
 
 
-def quant_error(x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False) -> dict[str, float]:
+def quant_error(
+    x: torch.Tensor, fmt: str | Format = "e4m3", layout: object = None, pow2_scale: bool = False
+) -> dict[str, float]:
     """Quantization error metrics of `x` under `fmt` and `layout` (see module doc for each key)."""
     return quant_stats(x, fmt, layout, pow2_scale).metrics()

@@ -154,8 +154,12 @@ class BlockQDQ(NamedTuple):
     amax: torch.Tensor  # (nbr, 1, nbc, 1), the largest finite |x| of each block
 
 
-def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False,
-               rounding: Callable[[torch.Tensor, ElementType], torch.Tensor] | None = None) -> BlockQDQ:
+def qdq_blocks(
+    blocks: torch.Tensor,
+    fmt: Format,
+    pow2_scale: bool = False,
+    rounding: Callable[[torch.Tensor, ElementType], torch.Tensor] | None = None,
+) -> BlockQDQ:
     """Quantize-dequantize float32 blocks `(nbr, r, nbc, c)`; `rounding(scaled, element)` puts the
     scaled elements (within +-element.max) on the grid: `round_to_element` (looked up when called,
     so a planted rounding bug reaches it) or e.g. `stochastic_round` with a generator.
@@ -171,7 +175,9 @@ def qdq_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False,
     return BlockQDQ(q * scales, scales, scaled, amax)
 
 
-def dequantize_blocks(blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_blocks(
+    blocks: torch.Tensor, fmt: Format, pow2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`qdq_blocks` reduced to what `quantize` returns: (dequantized, scales)."""
     result = qdq_blocks(blocks, fmt, pow2_scale)
     return result.dequantized, result.scales
@@ -227,15 +233,21 @@ def inductor_backend(tag: str, options: dict[str, object] | None = None) -> Call
     one format or layout cannot be served to another even if their graphs printed alike. It is
     set only while a graph compiles: calls that hit compiled graphs pay nothing for it.
     """
+
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         with torch.compiler.config.patch(cache_key_tag=tag):
-            return compile_fx(gm, example_inputs, config_patches=_INDUCTOR_OPTIONS if options is None else options)
+            return compile_fx(
+                gm, example_inputs, config_patches=_INDUCTOR_OPTIONS if options is None else options
+            )
+
     return backend
 
 
-def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout: Layout, pow2_scale: bool) -> Callable:
+def _compile(
+    fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout: Layout, pow2_scale: bool
+) -> Callable:
     def fused_blocks(b: torch.Tensor) -> T:
         return fn(b, fmt, pow2_scale)
 
@@ -249,8 +261,13 @@ def _compile(fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout:
     return torch.compile(fused_blocks, dynamic=False, backend=inductor_backend(tag))
 
 
-def fused(fn: Callable[[torch.Tensor, Format, bool], T], blocks: torch.Tensor, fmt: Format, layout: Layout,
-          pow2_scale: bool) -> T:
+def fused(
+    fn: Callable[[torch.Tensor, Format, bool], T],
+    blocks: torch.Tensor,
+    fmt: Format,
+    layout: Layout,
+    pow2_scale: bool,
+) -> T:
     """`fn(blocks, fmt, pow2_scale)` for blocks cut by `layout`, through torch.compile for inputs of
     COMPILE_MIN_NUMEL elements or more.
 
@@ -285,8 +302,11 @@ def compiling(numel: int, minimum: int = COMPILE_MIN_NUMEL, run_decides: bool = 
     says otherwise."""
     setting = os.environ.get("PRECISION_SUITE_COMPILE", "")  # "0": never, "1": even in a small run
     if setting not in COMPILE_SETTINGS:
-        warnings.warn(f"PRECISION_SUITE_COMPILE={setting!r} is not one of 0 (never compile), 1 (compile small "
-                      "runs too) or unset (each run decides); each run decides", stacklevel=3)
+        warnings.warn(
+            f"PRECISION_SUITE_COMPILE={setting!r} is not one of 0 (never compile), 1 (compile small "
+            "runs too) or unset (each run decides); each run decides",
+            stacklevel=3,
+        )
     run_allows = setting == "1" or _run_compiles or not run_decides
     return numel >= minimum and setting != "0" and run_allows and not _compile_failed
 
@@ -295,8 +315,10 @@ def give_up_compiling(err: Exception) -> None:
     """After a failed compile (e.g. no C++ compiler for inductor) the process computes eagerly."""
     global _compile_failed
     _compile_failed = True
-    warnings.warn(f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); "
-                  "computing eagerly", stacklevel=3)
+    warnings.warn(
+        f"precision_suite: torch.compile unavailable ({type(err).__name__}: {err}); computing eagerly",
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)
@@ -319,7 +341,9 @@ def check_tensor(x: object, name: str = "x") -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}; convert it with {name}.float()")
+        raise TypeError(
+            f"{name} must be a floating-point tensor, got {x.dtype}; convert it with {name}.float()"
+        )
     return x
 
 

@@ -77,7 +77,9 @@ def tensors(
     log2 = torch.rand(shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo
     sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).double()
     x = (sign * torch.exp2(log2)).float()
-    specials: list[float] = ([0.0] if zeros else []) + ([float("nan"), float("inf"), float("-inf")] if nonfinite else [])
+    specials: list[float] = ([0.0] if zeros else []) + (
+        [float("nan"), float("inf"), float("-inf")] if nonfinite else []
+    )
     if specials:
         fraction = draw(st.sampled_from([0.0, 0.01, 0.3]))
         pick = torch.rand(shape, generator=gen) < fraction

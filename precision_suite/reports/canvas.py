@@ -61,8 +61,12 @@ def _save_palette_png(fig: Figure, handle) -> None:
     image.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT).save(handle, format="png", optimize=True)
 
 
-def new_figure(rows: int, cols: int, panel_size: tuple[float, float] = PANEL_SIZE,
-                width_ratios: Sequence[float] | None = None) -> tuple[Figure, list[list[Axes]]]:
+def new_figure(
+    rows: int,
+    cols: int,
+    panel_size: tuple[float, float] = PANEL_SIZE,
+    width_ratios: Sequence[float] | None = None,
+) -> tuple[Figure, list[list[Axes]]]:
     width = panel_size[0] * (sum(width_ratios) if width_ratios else cols)
     fig = Figure(figsize=(width, panel_size[1] * rows + 0.8), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
@@ -83,8 +87,7 @@ def figure_legend(fig: Figure, source: Axes) -> None:
     """One legend under the panels, outside every axes, so it never covers data."""
     handles, labels = source.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 7),
-                   frameon=False)
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 7), frameon=False)
 
 
 def set_x_axis(ax: Axes, x: str) -> None:
@@ -95,8 +98,16 @@ def set_x_axis(ax: Axes, x: str) -> None:
 
 def note_hidden_points(ax: Axes, count: int, what: str) -> None:
     if count:
-        ax.text(0.01, 0.99, f"{count} {what} point(s) not drawn", transform=ax.transAxes,
-                ha="left", va="top", fontsize=8, color="tab:red")
+        ax.text(
+            0.01,
+            0.99,
+            f"{count} {what} point(s) not drawn",
+            transform=ax.transAxes,
+            ha="left",
+            va="top",
+            fontsize=8,
+            color="tab:red",
+        )
 
 
 def axis_label(metric: str) -> str:

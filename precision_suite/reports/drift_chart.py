@@ -48,9 +48,14 @@ class _DriftPanel:
         return " ".join([self.metric] + [str(value) for _, value in self.fixed])
 
 
-def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Sequence,
-               path: str | os.PathLike | None = None, band: ToleranceBand | None = None,
-               names: tuple[str, str] = ("current", "baseline")) -> Figure:
+def plot_drift(
+    current: xr.Dataset,
+    baseline: xr.Dataset | None,
+    findings: Sequence,
+    path: str | os.PathLike | None = None,
+    band: ToleranceBand | None = None,
+    names: tuple[str, str] = ("current", "baseline"),
+) -> Figure:
     """Drift chart of one case: current run against its baseline for every metric with findings;
     `names` call the two in legends and title (`diff`: HEAD and BASE with their commits).
 
@@ -70,13 +75,13 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
     # a first-point finding gets a zoom panel beside its drift panel: at the scale of a whole
     # run a change of a few elements at step 0 is a hair's breadth
     width_ratios = (1.0, ZOOM_WIDTH) if any(first_points) else (1.0,)
-    fig, axes = new_figure(len(panels) or 1, len(width_ratios), panel_size=(9.0, 3.6),
-                            width_ratios=width_ratios)
+    fig, axes = new_figure(
+        len(panels) or 1, len(width_ratios), panel_size=(9.0, 3.6), width_ratios=width_ratios
+    )
     if not panels:
         ax = axes[0][0]
         ax.set_axis_off()
-        ax.text(0.5, 0.5, "no per-metric findings to chart", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no per-metric findings to chart", ha="center", va="center", transform=ax.transAxes)
     for row, panel, first in zip(axes, panels, first_points):
         series = _draw_drift_panel(row[0], panel, current, baseline, band, names)
         if first:
@@ -85,12 +90,21 @@ def plot_drift(current: xr.Dataset, baseline: xr.Dataset | None, findings: Seque
             row[1].set_visible(False)
     if left_out:
         titles = ", ".join(panel.title for panel in left_out[:4]) + (", ..." if len(left_out) > 4 else "")
-        fig.text(0.01, 0.0, f"{len(left_out)} more panel(s) with findings not drawn ({titles}); "
-                 "every finding is in the report's table", fontsize=8, ha="left", va="bottom",
-                 color="tab:red")
+        fig.text(
+            0.01,
+            0.0,
+            f"{len(left_out)} more panel(s) with findings not drawn ({titles}); "
+            "every finding is in the report's table",
+            fontsize=8,
+            ha="left",
+            va="bottom",
+            color="tab:red",
+        )
     kind = f"against {names[1]}" if baseline is not None else "against its thresholds"
-    fig.suptitle(f"{case}: {names[0]} {kind}"
-                 + (f" (the {len(panels)} worst of {len(every_panel)} panels)" if left_out else ""))
+    fig.suptitle(
+        f"{case}: {names[0]} {kind}"
+        + (f" (the {len(panels)} worst of {len(every_panel)} panels)" if left_out else "")
+    )
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -100,20 +114,33 @@ def _drift_panels(current: xr.Dataset, findings: Sequence) -> list[_DriftPanel]:
     grouped: dict[tuple, list] = {}
     for finding in findings:
         # the observed recipe's findings (a format, a GEMM count) are words, not a series to draw
-        if finding.kind == "error" or finding.metric not in current.data_vars or finding.metric not in METRICS:
+        if (
+            finding.kind == "error"
+            or finding.metric not in current.data_vars
+            or finding.metric not in METRICS
+        ):
             continue
         dims = current[finding.metric].dims
         where = dict(finding.where or {})
-        fixed = tuple((dim, where[dim]) for dim in dims
-                      if dim in where and dim not in ("layer", "step", "train_step"))
+        fixed = tuple(
+            (dim, where[dim]) for dim in dims if dim in where and dim not in ("layer", "step", "train_step")
+        )
         grouped.setdefault((finding.metric, fixed), []).append(finding)
     panels = [_DriftPanel(metric, fixed, tuple(group)) for (metric, fixed), group in grouped.items()]
     # worst first (sorted is stable: equally bad panels keep the findings' order)
-    return sorted(panels, key=lambda panel: min(severity(f.kind, f.score, f.known, f.tolerance) for f in panel.findings))
+    return sorted(
+        panels, key=lambda panel: min(severity(f.kind, f.score, f.known, f.tolerance) for f in panel.findings)
+    )
 
 
-def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset, baseline: xr.Dataset | None,
-                      band: ToleranceBand, names: tuple[str, str]) -> list[tuple[str, dict]]:
+def _draw_drift_panel(
+    ax: Axes,
+    panel: _DriftPanel,
+    current: xr.Dataset,
+    baseline: xr.Dataset | None,
+    band: ToleranceBand,
+    names: tuple[str, str],
+) -> list[tuple[str, dict]]:
     """Draw one drift panel; returns the (label, selection) of each series drawn."""
     var = current[panel.metric].sel(dict(panel.fixed))
     x_dim = next((d for d in ("step", "train_step") if d in var.dims), None)
@@ -128,25 +155,41 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset, baselin
         layers = offending or [int(v) for v in var["layer"].values]
         series = [(f"layer {layer}", {"layer": layer}) for layer in layers[:MAX_DRIFT_LINES]]
         if len(layers) > MAX_DRIFT_LINES:
-            ax.text(0.99, 0.01, f"+{len(layers) - MAX_DRIFT_LINES} more offending layers",
-                    transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+            ax.text(
+                0.99,
+                0.01,
+                f"+{len(layers) - MAX_DRIFT_LINES} more offending layers",
+                transform=ax.transAxes,
+                ha="right",
+                va="bottom",
+                fontsize=8,
+            )
     else:
         series = [(panel.metric, {})]
 
     xs = var[x_dim].values if x_dim else np.zeros(1)
     band_labelled = False  # one legend entry for every series' band
     for colour, (label, where) in zip(palette(len(series)), series):
-        ax.plot(xs, np.atleast_1d(var.sel(where).values), color=colour, linewidth=2.2,
-                label=f"{label} {names[0]}")
+        ax.plot(
+            xs, np.atleast_1d(var.sel(where).values), color=colour, linewidth=2.2, label=f"{label} {names[0]}"
+        )
         if reference is not None and "seed" in reference.dims:
             # a seed ensemble: every seed faint, the accepted band shaded, the current run bold
             ref_x = reference[x_dim].values if x_dim else xs
             for i, seed in enumerate(reference["seed"].values):
-                ax.plot(ref_x, np.atleast_1d(reference.sel(where).sel(seed=seed).values.astype(float)),
-                        color=colour, linewidth=0.8, alpha=0.35,
-                        label=f"{label} {names[1]} seeds" if i == 0 else None)
-            edges = ensemble_band(panel.metric, current, baseline, {**dict(panel.fixed), **where}) \
-                if compared else None
+                ax.plot(
+                    ref_x,
+                    np.atleast_1d(reference.sel(where).sel(seed=seed).values.astype(float)),
+                    color=colour,
+                    linewidth=0.8,
+                    alpha=0.35,
+                    label=f"{label} {names[1]} seeds" if i == 0 else None,
+                )
+            edges = (
+                ensemble_band(panel.metric, current, baseline, {**dict(panel.fixed), **where})
+                if compared
+                else None
+            )
         elif reference is not None:
             ref = np.atleast_1d(reference.sel(where).values.astype(float))
             ref_x = reference[x_dim].values if x_dim else xs
@@ -158,21 +201,27 @@ def _draw_drift_panel(ax: Axes, panel: _DriftPanel, current: xr.Dataset, baselin
             if edges is not None:
                 # a band never suggests an impossible value (a negative fraction, a cosine > 1)
                 low, high = _valid_range(panel.metric)
-                ax.fill_between(ref_x, np.clip(edges[0], low, high), np.clip(edges[1], low, high),
-                                color=colour, alpha=0.15, linewidth=0,
-                                label=None if band_labelled else "shaded: accepted band")
+                ax.fill_between(
+                    ref_x,
+                    np.clip(edges[0], low, high),
+                    np.clip(edges[1], low, high),
+                    color=colour,
+                    alpha=0.15,
+                    linewidth=0,
+                    label=None if band_labelled else "shaded: accepted band",
+                )
                 band_labelled = True
 
-    for bound in sorted({float(f.reference) for f in panel.findings
-                         if f.kind == "threshold" and f.reference is not None}):
+    for bound in sorted(
+        {float(f.reference) for f in panel.findings if f.kind == "threshold" and f.reference is not None}
+    ):
         ax.axhline(bound, color="tab:red", linestyle=":", linewidth=1.2, label=f"bound {bound:g}")
     marks_x, marks_y = [], []
     for finding in panel.findings:
         where = finding.where or {}
         marks_x.append(where.get(x_dim, xs[-1]) if x_dim else xs[-1])
         marks_y.append(float(finding.value))
-    ax.scatter(marks_x, marks_y, marker="X", s=60, color="tab:red", zorder=5,
-               label="offending point")
+    ax.scatter(marks_x, marks_y, marker="X", s=60, color="tab:red", zorder=5, label="offending point")
 
     ax.set_title(panel.title)
     ax.set_xlabel(X_LABELS.get(x_dim, ""))
@@ -226,8 +275,16 @@ def _set_count_scale(ax: Axes, metric: str, numel: int | None) -> None:
     if spans_decades or (fraction and positive.max() < TINY_FRACTION):
         ax.set_yscale("symlog", linthresh=one_element, linscale=0.5)
         ax.set_ylim(bottom=0.0)
-        ax.text(0.99, 0.02, "log axis, linear below one element", transform=ax.transAxes,
-                ha="right", va="bottom", fontsize=7, color="0.4")
+        ax.text(
+            0.99,
+            0.02,
+            "log axis, linear below one element",
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="0.4",
+        )
 
 
 def _first_point_findings(panel: _DriftPanel, current: xr.Dataset) -> list:
@@ -240,23 +297,31 @@ def _first_point_findings(panel: _DriftPanel, current: xr.Dataset) -> list:
     return [f for f in panel.findings if (f.where or {}).get(x_dim) == first]
 
 
-def _draw_first_point_zoom(ax: Axes, panel: _DriftPanel, findings: Sequence,
-                           series: Sequence[tuple[str, dict]], current: xr.Dataset,
-                           baseline: xr.Dataset | None, names: tuple[str, str]) -> None:
+def _draw_first_point_zoom(
+    ax: Axes,
+    panel: _DriftPanel,
+    findings: Sequence,
+    series: Sequence[tuple[str, dict]],
+    current: xr.Dataset,
+    baseline: xr.Dataset | None,
+    names: tuple[str, str],
+) -> None:
     """The first point of each offending series at a scale where its change shows: the current
     value against the baseline's (the member seed's when the run is one, the other seeds faint),
     counts annotated as "k of n elements"."""
     var = current[panel.metric].sel(dict(panel.fixed))
     x_dim = next(d for d in ("step", "train_step") if d in var.dims)
     offending = {int(f.where["layer"]) for f in findings if "layer" in f.where}
-    drawn = [(label, where) for label, where in series
-             if not offending or where.get("layer") in offending]
+    drawn = [(label, where) for label, where in series if not offending or where.get("layer") in offending]
     reference = None
     if baseline is not None and panel.metric in baseline.data_vars:
         reference = baseline[panel.metric].sel(dict(panel.fixed)).isel({x_dim: 0})
     seed = run_spec(current).get("seed")
-    member = seed if reference is not None and "seed" in reference.dims \
-        and seed in reference["seed"].values else None
+    member = (
+        seed
+        if reference is not None and "seed" in reference.dims and seed in reference["seed"].values
+        else None
+    )
 
     def point(value: float, where: Mapping[str, object]) -> tuple[float, str]:
         """(y, label) of one value: in elements for a count whose numel is known."""
@@ -273,20 +338,36 @@ def _draw_first_point_zoom(ax: Axes, panel: _DriftPanel, findings: Sequence,
             ref = reference.sel(where)
             others = [s for s in ref["seed"].values if s != member] if "seed" in ref.dims else []
             ys = [point(float(ref.sel(seed=s)), where)[0] for s in others]
-            ax.scatter([x] * len(ys), ys, s=18, color=colour, alpha=0.35,
-                       label=f"other {names[1]} seeds" if x == 0 and ys else None)
+            ax.scatter(
+                [x] * len(ys),
+                ys,
+                s=18,
+                color=colour,
+                alpha=0.35,
+                label=f"other {names[1]} seeds" if x == 0 and ys else None,
+            )
             if "seed" not in ref.dims or member is not None:
                 ref_y, ref_text = point(float(ref.sel(seed=member) if member is not None else ref), where)
                 ref_label = f"{names[1]} seed {member} (this run's seed)" if member is not None else names[1]
-                ax.scatter([x], [ref_y], s=90, facecolors="none", edgecolors=colour, linewidths=1.8,
-                           label=ref_label if x == 0 else None)
-                ax.annotate(ref_text, (x, ref_y), xytext=(8, -10), textcoords="offset points",
-                            fontsize=8, color="0.3")
+                ax.scatter(
+                    [x],
+                    [ref_y],
+                    s=90,
+                    facecolors="none",
+                    edgecolors=colour,
+                    linewidths=1.8,
+                    label=ref_label if x == 0 else None,
+                )
+                ax.annotate(
+                    ref_text, (x, ref_y), xytext=(8, -10), textcoords="offset points", fontsize=8, color="0.3"
+                )
         cur_y, cur_text = point(float(var.sel(where).isel({x_dim: 0})), where)
-        ax.scatter([x], [cur_y], s=60, marker="X", color="tab:red", zorder=5,
-                   label=names[0] if x == 0 else None)
-        ax.annotate(cur_text, (x, cur_y), xytext=(8, 4), textcoords="offset points", fontsize=8,
-                    color="tab:red")
+        ax.scatter(
+            [x], [cur_y], s=60, marker="X", color="tab:red", zorder=5, label=names[0] if x == 0 else None
+        )
+        ax.annotate(
+            cur_text, (x, cur_y), xytext=(8, 4), textcoords="offset points", fontsize=8, color="tab:red"
+        )
     ax.set_xticks(range(len(drawn)), [label for label, _ in drawn])
     ax.margins(x=0.6, y=0.3)
     counted = _is_count(panel.metric) and _numel(current, {**dict(panel.fixed), **drawn[0][1]})

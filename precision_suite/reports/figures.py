@@ -34,8 +34,12 @@ QUANT_PANELS = (
 QUANT_ROWS = ("underflow", "distortion")
 
 
-def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | None = None,
-                        x: str = "step", path: str | os.PathLike | None = None) -> Figure:
+def plot_attention_norm(
+    datasets: Mapping[str, xr.Dataset],
+    layers: Sequence[int] | None = None,
+    x: str = "step",
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """Figure A: attention norm (log y) over `x`, one panel per layer, one line per dataset.
 
     `datasets` maps a line label (usually the attention variant) to a run dataset. Default layers:
@@ -64,8 +68,9 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
         for colour, (label, ds) in zip(colours, datasets.items()):
             bound = _softmax_bound(ds)
             if bound is not None:  # each row of softmax(S) is a probability vector
-                ax.axhline(bound, color=colour, linestyle=":", linewidth=1.2,
-                           label=f"{label} bound √N = {bound:.4g}")
+                ax.axhline(
+                    bound, color=colour, linestyle=":", linewidth=1.2, label=f"{label} bound √N = {bound:.4g}"
+                )
         ax.set_yscale("log")
         ax.set_title(f"layer {layer}")
         set_x_axis(ax, x)
@@ -79,8 +84,9 @@ def plot_attention_norm(datasets: Mapping[str, xr.Dataset], layers: Sequence[int
     return fig
 
 
-def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
-                     path: str | os.PathLike | None = None) -> Figure:
+def plot_quant_error(
+    ds: xr.Dataset, layers: Sequence[int] | None = None, path: str | os.PathLike | None = None
+) -> Figure:
     """Figure B: 2 x 3 grid of underflow (top) and distortion (bottom), a line per layer.
 
     Columns: activations (1, 128), gradients (1, 128), gradient transpose (128, 1); x is tokens
@@ -103,8 +109,15 @@ def plot_quant_error(ds: xr.Dataset, layers: Sequence[int] | None = None,
             ax.ticklabel_format(axis="y", useOffset=False)  # 0.99968, not 1e-5 + 9.996e-1
             values = _select_pair(ds[metric], tensor, layout)
             if values is None or not np.isfinite(values.values).any():
-                ax.text(0.5, 0.5, f"{tensor} {layout}\nnot measured in this run",
-                        ha="center", va="center", transform=ax.transAxes, color="0.4")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"{tensor} {layout}\nnot measured in this run",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    color="0.4",
+                )
                 continue
             hidden = 0
             for colour, layer in zip(colours, layers):
@@ -125,10 +138,13 @@ def plot_observed_quant_error(ds: xr.Dataset, path: str | os.PathLike | None = N
     """Figure B of the model's own quantization (training/observation.py): underflow (top) and
     distortion (bottom) of each GEMM operand its code quantized, a line per layer, titled with
     the observed format; operands it did not quantize are left out."""
-    _require_variables(ds, ("observed_underflow", "observed_distortion", "tokens"),
-                       f"dataset {ds.attrs.get('case', '')!r}")
+    _require_variables(
+        ds, ("observed_underflow", "observed_distortion", "tokens"), f"dataset {ds.attrs.get('case', '')!r}"
+    )
     rows = ("observed_underflow", "observed_distortion")
-    operands = [str(o) for o in ds["operand"].values if np.isfinite(ds["observed_distortion"].sel(operand=o)).any()]
+    operands = [
+        str(o) for o in ds["operand"].values if np.isfinite(ds["observed_distortion"].sel(operand=o)).any()
+    ]
     fig, axes = new_figure(len(rows), max(len(operands), 1))
     layers = [int(v) for v in ds["layer"].values]
     colours = palette(len(layers), sequential=True)
@@ -136,16 +152,31 @@ def plot_observed_quant_error(ds: xr.Dataset, path: str | os.PathLike | None = N
     formats = ds["observed_format"] if "observed_format" in ds else None
     for row, metric in zip(axes, rows):
         for ax, operand in zip(row, operands):
-            shown = sorted({part for v in formats.sel(operand=operand).values.ravel() for part in str(v).split("|")
-                            if part}) if formats is not None else []
+            shown = (
+                sorted(
+                    {
+                        part
+                        for v in formats.sel(operand=operand).values.ravel()
+                        for part in str(v).split("|")
+                        if part
+                    }
+                )
+                if formats is not None
+                else []
+            )
             ax.set_title(f"{metric.removeprefix('observed_')} {operand} ({', '.join(shown)})")
             set_x_axis(ax, "tokens")
             ax.set_ylabel(METRICS[metric].axis_label)
             ax.grid(True, alpha=0.3)
             ax.ticklabel_format(axis="y", useOffset=False)
             for colour, layer in zip(colours, layers):
-                ax.plot(tokens, ds[metric].sel(layer=layer, operand=operand).values.astype(float), color=colour,
-                        label=f"layer {layer}", linewidth=1.4)
+                ax.plot(
+                    tokens,
+                    ds[metric].sel(layer=layer, operand=operand).values.astype(float),
+                    color=colour,
+                    label=f"layer {layer}",
+                    linewidth=1.4,
+                )
     fig.suptitle(f"the model's own quantization error per layer: {ds.attrs.get('case', 'run')}")
     legend_source = next((ax for row in axes for ax in row if ax.get_lines()), None)
     if legend_source is not None:
@@ -155,8 +186,11 @@ def plot_observed_quant_error(ds: xr.Dataset, path: str | os.PathLike | None = N
     return fig
 
 
-def plot_accumulation_law(law: Sequence[Mapping[str, object]], datasets: Mapping[str, xr.Dataset] | None = None,
-                          path: str | os.PathLike | None = None) -> Figure:
+def plot_accumulation_law(
+    law: Sequence[Mapping[str, object]],
+    datasets: Mapping[str, xr.Dataset] | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
     """The accumulation error's law in K (SCIENCE.md): `law`, the rows of
     `numerics.accumulation.error_law` ({"K", "data", mode: error}), a line per mode and kind of
     data (solid same-sign, dashed mixed-sign) on log-log axes: hopper-fast rises with K,
@@ -172,8 +206,14 @@ def plot_accumulation_law(law: Sequence[Mapping[str, object]], datasets: Mapping
     for kind, style in (("same-sign", "-"), ("mixed-sign", "--")):
         rows = [row for row in law if row["data"] == kind]
         for mode in modes:
-            ax.plot([row["K"] for row in rows], [row[mode] for row in rows], style, color=colours[mode], marker=".",
-                    label=f"{mode}, {kind} E4M3")
+            ax.plot(
+                [row["K"] for row in rows],
+                [row[mode] for row in rows],
+                style,
+                color=colours[mode],
+                marker=".",
+                label=f"{mode}, {kind} E4M3",
+            )
     for ds in (datasets or {}).values():
         for k, error, mode in _gemms_as_run(ds):
             if mode in colours:
@@ -215,16 +255,21 @@ def _gemms_as_run(ds: xr.Dataset) -> list[tuple[int, float, str]]:
 def _require_variables(ds: xr.Dataset, names: Sequence[str], what: str) -> None:
     missing = [n for n in names if n not in ds.variables]
     if missing:
-        raise ValueError(f"{what} lacks {', '.join(missing)}; charts need run datasets made by "
-                         "precision_suite.run (schema in docs/architecture.md)")
+        raise ValueError(
+            f"{what} lacks {', '.join(missing)}; charts need run datasets made by "
+            "precision_suite.run (schema in docs/architecture.md)"
+        )
 
 
 def _require_layers(ds: xr.Dataset, layers: Sequence[int], what: str) -> None:
     available = [int(v) for v in ds["layer"].values]
     unknown = [layer for layer in layers if layer not in available]
     if unknown or not layers:
-        raise ValueError(f"{what}: layers {unknown or '[]'} not available; choose from "
-                         f"{available[0]}..{available[-1]}" if available else f"{what} has no layers")
+        raise ValueError(
+            f"{what}: layers {unknown or '[]'} not available; choose from {available[0]}..{available[-1]}"
+            if available
+            else f"{what} has no layers"
+        )
 
 
 def default_attention_layers(ds: xr.Dataset) -> list[int]:
@@ -246,8 +291,11 @@ def _describe_runs(datasets: Mapping[str, xr.Dataset]) -> str:
     if len(datasets) == 1:
         return str(next(iter(datasets.values())).attrs.get("case", next(iter(datasets))))
     specs = [run_spec(ds) for ds in datasets.values()]
-    shared = [f"{field} {specs[0][field]}" for field in ("model", "recipe")
-              if field in specs[0] and all(s.get(field) == specs[0][field] for s in specs)]
+    shared = [
+        f"{field} {specs[0][field]}"
+        for field in ("model", "recipe")
+        if field in specs[0] and all(s.get(field) == specs[0][field] for s in specs)
+    ]
     return ", ".join(shared + [f"{len(datasets)} runs"])
 
 

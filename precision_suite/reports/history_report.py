@@ -46,11 +46,19 @@ def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "steps": sum(len(c.steps) for c in cases),
         "false_step_rate": FALSE_ALARM_RATE,  # per case, by design (verdicts/history_steps.py)
-        "cases": [{"case": c.case, "host": c.host, "host_label": c.host_label, "commits": c.commits,
-                   "series": len(c.series), "searched": sum(s.noise > 0 for s in c.series),
-                   "steps": [_step_json(step, c) for step in c.steps],
-                   "chart": drawn.get((c.case, c.host))}
-                  for c in sorted(cases, key=lambda c: (not c.steps, c.case, c.host))],
+        "cases": [
+            {
+                "case": c.case,
+                "host": c.host,
+                "host_label": c.host_label,
+                "commits": c.commits,
+                "series": len(c.series),
+                "searched": sum(s.noise > 0 for s in c.series),
+                "steps": [_step_json(step, c) for step in c.steps],
+                "chart": drawn.get((c.case, c.host)),
+            }
+            for c in sorted(cases, key=lambda c: (not c.steps, c.case, c.host))
+        ],
     }
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "summary.json", json.dumps(jsonable(summary), indent=2) + "\n")
@@ -61,15 +69,26 @@ def write_history_report(cases: Sequence[CaseHistory], out: Path, *, charts: str
 
 def _step_json(step: Step, case: CaseHistory) -> dict[str, Any]:
     commit = case.commits[step.index]
-    return {"series": step.series, "kind": step.kind, "metric": step.metric, "where": step.where,
-            "commit": commit["commit"], "subject": commit["subject"], "commit_time": commit["commit_time"],
-            "before": step.before, "after": step.after, "size_in_noise": step.size, "text": step.describe()}
+    return {
+        "series": step.series,
+        "kind": step.kind,
+        "metric": step.metric,
+        "where": step.where,
+        "commit": commit["commit"],
+        "subject": commit["subject"],
+        "commit_time": commit["commit_time"],
+        "before": step.before,
+        "after": step.after,
+        "size_in_noise": step.size,
+        "text": step.describe(),
+    }
 
 
 def _headline(summary: dict) -> str:
     stepped = sum(bool(c["steps"]) for c in summary["cases"])
-    return (f"precision-suite history: {summary['steps']} step(s) in {stepped} of {len(summary['cases'])} "
-            f"case(s)")
+    return (
+        f"precision-suite history: {summary['steps']} step(s) in {stepped} of {len(summary['cases'])} case(s)"
+    )
 
 
 def _span(case: dict) -> str:
@@ -78,12 +97,19 @@ def _span(case: dict) -> str:
 
 
 def _markdown(summary: dict, out: Path) -> str:
-    lines = [f"## {_headline(summary)}", "", "| case | host | commits | steps | largest step |", "|---|---|---|---|---|"]
+    lines = [
+        f"## {_headline(summary)}",
+        "",
+        "| case | host | commits | steps | largest step |",
+        "|---|---|---|---|---|",
+    ]
     for case in summary["cases"]:
         largest = case["steps"][0] if case["steps"] else None
         text = f"`{largest['commit'][:7]}` {largest['subject']}: {largest['text']}" if largest else ""
-        lines.append(f"| `{markdown_cell(case['case'])}` | {markdown_cell(case['host_label'])} | {_span(case)} | "
-                     f"{len(case['steps'])} | {markdown_cell(text)} |")
+        lines.append(
+            f"| `{markdown_cell(case['case'])}` | {markdown_cell(case['host_label'])} | {_span(case)} | "
+            f"{len(case['steps'])} | {markdown_cell(text)} |"
+        )
     for case in summary["cases"]:
         if not case["steps"]:
             continue
@@ -93,35 +119,45 @@ def _markdown(summary: dict, out: Path) -> str:
             lines.append(f"- chart: `{out / case['chart']}`")
     text = "\n".join(lines + ["", f"Full report: `{out / 'index.html'}`", ""])
     if len(text.encode("utf-8")) > MAX_MARKDOWN_BYTES:  # GitHub's job-summary limit
-        text = text.encode("utf-8")[:MAX_MARKDOWN_BYTES - 200].decode("utf-8", errors="ignore")
-        text = text[:text.rfind("\n")] + "\n\n(cut to fit a CI job summary: every step is in summary.json)\n"
+        text = text.encode("utf-8")[: MAX_MARKDOWN_BYTES - 200].decode("utf-8", errors="ignore")
+        text = text[: text.rfind("\n")] + "\n\n(cut to fit a CI job summary: every step is in summary.json)\n"
     return text
 
 
 def _html(summary: dict, out: Path) -> str:
     esc = html.escape
-    links = "".join(f'<span><a href="#case-{i}">{esc(c["case"])}</a> ({len(c["steps"])})</span>'
-                    for i, c in enumerate(summary["cases"]))
+    links = "".join(
+        f'<span><a href="#case-{i}">{esc(c["case"])}</a> ({len(c["steps"])})</span>'
+        for i, c in enumerate(summary["cases"])
+    )
     sections = []
     for i, case in enumerate(summary["cases"]):
         rows = "".join(
             f"<tr><td><code>{esc(s['commit'][:12])}</code></td><td>{esc(s['subject'])}</td><td>{esc(s['series'])}</td>"
             f"<td>{s['before']:.4g}</td><td>{s['after']:.4g}</td><td>{s['size_in_noise']:+.1f}</td></tr>"
-            for s in case["steps"])
-        table = ("<table><tr><th>commit</th><th>subject</th><th>series</th><th>before</th><th>after</th>"
-                 f"<th>size (noise units)</th></tr>{rows}</table>" if rows else "<p>No step.</p>")
+            for s in case["steps"]
+        )
+        table = (
+            "<table><tr><th>commit</th><th>subject</th><th>series</th><th>before</th><th>after</th>"
+            f"<th>size (noise units)</th></tr>{rows}</table>"
+            if rows
+            else "<p>No step.</p>"
+        )
         chart = figure_html(out, case["chart"]) if case["chart"] else ""
         status = "fail" if case["steps"] else "pass"
         sections.append(
             f'<section id="case-{i}"><h2 class="{status}">{esc(case["case"])}</h2>'
             f'<p class="meta">{esc(case["host_label"])} (host {esc(case["host"])}); {esc(_span(case))}; '
-            f'{case["searched"]} of {case["series"]} series searched for steps (the others have no noise '
-            f'level: no baseline); by design a case shows a false step with probability at most '
-            f'{summary["false_step_rate"]:g}</p>'
-            f"{table}{chart}</section>")
+            f"{case['searched']} of {case['series']} series searched for steps (the others have no noise "
+            f"level: no baseline); by design a case shows a false step with probability at most "
+            f"{summary['false_step_rate']:g}</p>"
+            f"{table}{chart}</section>"
+        )
     headline = esc(_headline(summary))
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{headline}</title>"
-            f"<style>{CSS}</style></head><body><h1>{headline}</h1>"
-            f"<p class=\"meta\">Created {esc(summary['created'])} by precision-suite {esc(summary['package_version'])}. "
-            f"Machine-readable: <code>summary.json</code>. Cases with their number of steps:</p>"
-            f"<nav class=\"cases\">{links}</nav>{''.join(sections)}</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{headline}</title>'
+        f"<style>{CSS}</style></head><body><h1>{headline}</h1>"
+        f'<p class="meta">Created {esc(summary["created"])} by precision-suite {esc(summary["package_version"])}. '
+        f"Machine-readable: <code>summary.json</code>. Cases with their number of steps:</p>"
+        f'<nav class="cases">{links}</nav>{"".join(sections)}</body></html>\n'
+    )

@@ -83,13 +83,16 @@ class Reproduction:
 # --------------------------------------------------------------------------- the files
 
 
-def write_reproduction(figure: str, out_dir: str | Path, specs: Sequence[RunSpec],
-                       datasets: Sequence[xr.Dataset], seconds: float) -> Reproduction:
+def write_reproduction(
+    figure: str, out_dir: str | Path, specs: Sequence[RunSpec], datasets: Sequence[xr.Dataset], seconds: float
+) -> Reproduction:
     """Write `figure`'s datasets, chart and note into `out_dir` from its trained runs (`specs` in
     the order of `jobs.figure_runs.figure_specs`, `seconds` the training time the note states)."""
     out = Path(out_dir)
-    paths = tuple(save_dataset(ds, out / f"{figure}-{safe_filename(case_id(spec))}.nc")
-                  for spec, ds in zip(specs, datasets))
+    paths = tuple(
+        save_dataset(ds, out / f"{figure}-{safe_filename(case_id(spec))}.nc")
+        for spec, ds in zip(specs, datasets)
+    )
     if figure == "figure-a":
         by_variant = dict(zip(FIGURE_A_VARIANTS, datasets))
         claims = figure_a_claims(by_variant)
@@ -107,8 +110,7 @@ def write_reproduction(figure: str, out_dir: str | Path, specs: Sequence[RunSpec
 # --------------------------------------------------------------------------- figure A claims
 
 
-def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | None = None
-                    ) -> list[Claim]:
+def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | None = None) -> list[Claim]:
     """The claims of figure A (SCIENCE.md) on runs keyed by attention variant.
 
     `datasets` needs every variant of FIGURE_A_VARIANTS; `layers` default to the shallow and the
@@ -116,50 +118,73 @@ def figure_a_claims(datasets: Mapping[str, xr.Dataset], layers: Sequence[int] | 
     """
     missing = [v for v in FIGURE_A_VARIANTS if v not in datasets]
     if missing:
-        raise ValueError(f"figure_a_claims: datasets lack the variant(s) {', '.join(missing)}; "
-                         f"pass {{variant: run dataset}} for {', '.join(FIGURE_A_VARIANTS)}")
+        raise ValueError(
+            f"figure_a_claims: datasets lack the variant(s) {', '.join(missing)}; "
+            f"pass {{variant: run dataset}} for {', '.join(FIGURE_A_VARIANTS)}"
+        )
     for variant, ds in datasets.items():
         _require(ds, ("attention_norm",), f"figure_a_claims: dataset {variant!r}")
     softmax = datasets["softmax"]
     if "N" not in softmax.attrs:
-        raise ValueError("figure_a_claims: the softmax dataset has no attribute N (tokens per "
-                         "sequence); use a dataset made by precision_suite.run")
+        raise ValueError(
+            "figure_a_claims: the softmax dataset has no attribute N (tokens per "
+            "sequence); use a dataset made by precision_suite.run"
+        )
     layers = default_attention_layers(softmax) if layers is None else [int(layer) for layer in layers]
-    end = {(v, layer): _end_value(datasets[v]["attention_norm"].sel(layer=layer))
-           for v in FIGURE_A_VARIANTS for layer in layers}
-    return [_softmax_bounded(softmax), _twins_apart(end, layers), _unscaled_largest(end, layers),
-            _depth_changes_growth(datasets, layers)]
+    end = {
+        (v, layer): _end_value(datasets[v]["attention_norm"].sel(layer=layer))
+        for v in FIGURE_A_VARIANTS
+        for layer in layers
+    }
+    return [
+        _softmax_bounded(softmax),
+        _twins_apart(end, layers),
+        _unscaled_largest(end, layers),
+        _depth_changes_growth(datasets, layers),
+    ]
 
 
 def _softmax_bounded(softmax: xr.Dataset) -> Claim:
     bound = math.sqrt(float(softmax.attrs["N"]))
     largest = float(np.nanmax(softmax["attention_norm"].values))
-    return Claim("softmax_bounded",
-                 "softmax stays bounded: ||softmax(S)||_F <= sqrt(N) at every sampled step and layer",
-                 bool(largest <= bound * (1 + 1e-9)),  # the bound is exact; allow float rounding
-                 {"softmax largest norm": largest, "sqrt(N)": bound})
+    return Claim(
+        "softmax_bounded",
+        "softmax stays bounded: ||softmax(S)||_F <= sqrt(N) at every sampled step and layer",
+        bool(largest <= bound * (1 + 1e-9)),  # the bound is exact; allow float rounding
+        {"softmax largest norm": largest, "sqrt(N)": bound},
+    )
 
 
 def _twins_apart(end: Mapping[tuple[str, int], float], layers: Sequence[int]) -> Claim:
-    ratios = {f"{unscaled} ÷ {scaled}, layer {layer}": end[unscaled, layer] / end[scaled, layer]
-              for unscaled, scaled in SCALED_TWINS.items() for layer in layers}
-    return Claim("scaled_twins_apart",
-                 f"the /sqrt(N) variants stay far lower than their unscaled twins: x/1 and x^3/1 "
-                 f"at least {TWIN_FACTOR:g}x x/sqrt(N) and x^3/sqrt(N) by the end (median of the "
-                 f"last {END_FRACTION:.0%} of steps), in each layer drawn",
-                 all(ratio >= TWIN_FACTOR for ratio in ratios.values()), ratios)
+    ratios = {
+        f"{unscaled} ÷ {scaled}, layer {layer}": end[unscaled, layer] / end[scaled, layer]
+        for unscaled, scaled in SCALED_TWINS.items()
+        for layer in layers
+    }
+    return Claim(
+        "scaled_twins_apart",
+        f"the /sqrt(N) variants stay far lower than their unscaled twins: x/1 and x^3/1 "
+        f"at least {TWIN_FACTOR:g}x x/sqrt(N) and x^3/sqrt(N) by the end (median of the "
+        f"last {END_FRACTION:.0%} of steps), in each layer drawn",
+        all(ratio >= TWIN_FACTOR for ratio in ratios.values()),
+        ratios,
+    )
 
 
 def _unscaled_largest(end: Mapping[tuple[str, int], float], layers: Sequence[int]) -> Claim:
     numbers, holds = {}, True
     for layer in layers:
         ranked = sorted(FIGURE_A_VARIANTS, key=lambda v: -end[v, layer])
-        holds &= set(ranked[:2]) == set(SCALED_TWINS) and all(end[v, layer] >= LARGE_NORM
-                                                               for v in SCALED_TWINS)
+        holds &= set(ranked[:2]) == set(SCALED_TWINS) and all(
+            end[v, layer] >= LARGE_NORM for v in SCALED_TWINS
+        )
         numbers.update({f"{v}, layer {layer}": end[v, layer] for v in FIGURE_A_VARIANTS})
-    return Claim("unscaled_largest",
-                 f"x/1 and x^3/1 have the largest norms, {LARGE_NORM:g} and more, by the end, "
-                 "in each layer drawn", bool(holds), numbers)
+    return Claim(
+        "unscaled_largest",
+        f"x/1 and x^3/1 have the largest norms, {LARGE_NORM:g} and more, by the end, in each layer drawn",
+        bool(holds),
+        numbers,
+    )
 
 
 def _depth_changes_growth(datasets: Mapping[str, xr.Dataset], layers: Sequence[int]) -> Claim:
@@ -169,15 +194,21 @@ def _depth_changes_growth(datasets: Mapping[str, xr.Dataset], layers: Sequence[i
         series = datasets[variant]["attention_norm"].sel(layer=layer)
         return _end_value(series) / float(series.values[0])
 
-    ratios = {f"{v}: growth in layer {deep} ÷ growth in layer {shallow}": growth(v, deep) / growth(v, shallow)
-              for v in FIGURE_A_VARIANTS}
-    differing = sum(abs(math.log(r)) >= math.log(GROWTH_DIFFERENCE) for r in ratios.values()
-                    if r > 0 and math.isfinite(r))
-    return Claim("depth_changes_growth",
-                 f"deeper layers grow differently from shallow ones: layer {deep}'s growth (end / "
-                 f"first step) at least {GROWTH_DIFFERENCE:g}x above or below layer {shallow}'s "
-                 "for most variants", differing > len(ratios) / 2,
-                 {**ratios, "variants that differ": float(differing)})
+    ratios = {
+        f"{v}: growth in layer {deep} ÷ growth in layer {shallow}": growth(v, deep) / growth(v, shallow)
+        for v in FIGURE_A_VARIANTS
+    }
+    differing = sum(
+        abs(math.log(r)) >= math.log(GROWTH_DIFFERENCE) for r in ratios.values() if r > 0 and math.isfinite(r)
+    )
+    return Claim(
+        "depth_changes_growth",
+        f"deeper layers grow differently from shallow ones: layer {deep}'s growth (end / "
+        f"first step) at least {GROWTH_DIFFERENCE:g}x above or below layer {shallow}'s "
+        "for most variants",
+        differing > len(ratios) / 2,
+        {**ratios, "variants that differ": float(differing)},
+    )
 
 
 # --------------------------------------------------------------------------- figure B claims
@@ -189,17 +220,25 @@ def figure_b_claims(ds: xr.Dataset, layers: Sequence[int] = FIGURE_B_LAYERS) -> 
     available = {int(v) for v in ds["layer"].values}
     unknown = [layer for layer in layers if layer not in available]
     if unknown or not layers:
-        raise ValueError(f"figure_b_claims: layers {unknown or '[]'} not in the run "
-                         f"(layers {min(available)}..{max(available)})")
+        raise ValueError(
+            f"figure_b_claims: layers {unknown or '[]'} not in the run "
+            f"(layers {min(available)}..{max(available)})"
+        )
     panels = {}  # panel name -> metric -> values (step, layer), in the order the figure draws them
     for tensor, layout, _title in QUANT_PANELS:
         name = _panel_name(tensor, layout)
         if tensor not in ds["tensor"].values or layout not in ds["layout"].values:
-            raise ValueError(f"figure_b_claims: the run did not measure {tensor} under {layout}; "
-                             "train it with the fp8-block measurements (the default)")
-        panels[name] = {metric: ds[metric].sel(tensor=tensor, layout=layout, layer=list(layers))
-                        .transpose("step", "layer").values.astype(float)
-                        for metric in ("underflow", "distortion")}
+            raise ValueError(
+                f"figure_b_claims: the run did not measure {tensor} under {layout}; "
+                "train it with the fp8-block measurements (the default)"
+            )
+        panels[name] = {
+            metric: ds[metric]
+            .sel(tensor=tensor, layout=layout, layer=list(layers))
+            .transpose("step", "layer")
+            .values.astype(float)
+            for metric in ("underflow", "distortion")
+        }
     layers = [int(layer) for layer in layers]
     tail = TAIL_FRACTION * (max(available) + 1)
     act, grad, transpose = panels.values()
@@ -210,66 +249,98 @@ def figure_b_claims(ds: xr.Dataset, layers: Sequence[int] = FIGURE_B_LAYERS) -> 
 
 
 def _tiny_underflow(act: dict, grad: dict) -> Claim:
-    numbers = {"activation (1,128) largest": float(np.nanmax(act["underflow"])),
-               "gradient (1,128) largest": float(np.nanmax(grad["underflow"])),
-               "activation (1,128) median": float(np.nanmedian(act["underflow"])),
-               "gradient (1,128) median": float(np.nanmedian(grad["underflow"]))}
-    return Claim("tiny_1x128_underflow",
-                 f"(1,128) underflow of activations and gradients is tiny: at most {TINY_UNDERFLOW:g} "
-                 "at every step and layer drawn (the paper: about 1e-4 to 1e-2)",
-                 numbers["activation (1,128) largest"] <= TINY_UNDERFLOW
-                 and numbers["gradient (1,128) largest"] <= TINY_UNDERFLOW, numbers)
+    numbers = {
+        "activation (1,128) largest": float(np.nanmax(act["underflow"])),
+        "gradient (1,128) largest": float(np.nanmax(grad["underflow"])),
+        "activation (1,128) median": float(np.nanmedian(act["underflow"])),
+        "gradient (1,128) median": float(np.nanmedian(grad["underflow"])),
+    }
+    return Claim(
+        "tiny_1x128_underflow",
+        f"(1,128) underflow of activations and gradients is tiny: at most {TINY_UNDERFLOW:g} "
+        "at every step and layer drawn (the paper: about 1e-4 to 1e-2)",
+        numbers["activation (1,128) largest"] <= TINY_UNDERFLOW
+        and numbers["gradient (1,128) largest"] <= TINY_UNDERFLOW,
+        numbers,
+    )
 
 
-def _transpose_underflow(gradient: np.ndarray, transpose: np.ndarray, layers: Sequence[int],
-                         tail: float) -> list[Claim]:
+def _transpose_underflow(
+    gradient: np.ndarray, transpose: np.ndarray, layers: Sequence[int], tail: float
+) -> list[Claim]:
     grad_median, transpose_median = np.nanmedian(gradient, axis=0), np.nanmedian(transpose, axis=0)
     largest = np.nanmax(transpose, axis=0)
-    above = {f"layer {layer}: gradient transpose ÷ gradient (median over steps)": _ratio(t, g)
-             for layer, t, g in zip(layers, transpose_median, grad_median)}
+    above = {
+        f"layer {layer}: gradient transpose ÷ gradient (median over steps)": _ratio(t, g)
+        for layer, t, g in zip(layers, transpose_median, grad_median)
+    }
     overall = _ratio(np.nanmedian(transpose), np.nanmedian(gradient))
-    spikes = {f"layer {layer}: largest ÷ median step": _ratio(m, median)
-              for layer, m, median in zip(layers, largest, transpose_median)}
+    spikes = {
+        f"layer {layer}: largest ÷ median step": _ratio(m, median)
+        for layer, m, median in zip(layers, largest, transpose_median)
+    }
     worst = layers[int(np.nanargmax(largest))]
-    medians = {f"layer {layer}: gradient transpose median": float(t)
-               for layer, t in zip(layers, transpose_median)}
+    medians = {
+        f"layer {layer}: gradient transpose median": float(t) for layer, t in zip(layers, transpose_median)
+    }
     largest_steps = {f"layer {layer}: largest step": float(m) for layer, m in zip(layers, largest)}
     return [
-        Claim("transpose_above_gradient",
-              "(128,1) gradient-transpose underflow is above the (1,128) gradient's in every layer "
-              "drawn (median over steps)",
-              all(ratio > 1 for ratio in above.values()), {**above, **medians}),
-        Claim("transpose_far_larger",
-              f"... and far larger: at least {FAR_LARGER:g}x the gradient's (median over steps and "
-              "layers drawn)", overall >= FAR_LARGER, {"gradient transpose ÷ gradient": overall}),
-        Claim("transpose_spiky",
-              f"(128,1) gradient-transpose underflow is spiky: in some layer drawn a step reaches "
-              f"{SPIKE_FACTOR:g}x the layer's median step",
-              any(ratio >= SPIKE_FACTOR for ratio in spikes.values()), spikes),
-        Claim("transpose_worst_in_tail",
-              "(128,1) gradient-transpose underflow is worst in tail layers: the layer drawn with "
-              f"the largest step is in the last third of the depth (layer >= {math.ceil(tail)})",
-              worst >= tail, {"worst layer": float(worst), **largest_steps}),
+        Claim(
+            "transpose_above_gradient",
+            "(128,1) gradient-transpose underflow is above the (1,128) gradient's in every layer "
+            "drawn (median over steps)",
+            all(ratio > 1 for ratio in above.values()),
+            {**above, **medians},
+        ),
+        Claim(
+            "transpose_far_larger",
+            f"... and far larger: at least {FAR_LARGER:g}x the gradient's (median over steps and "
+            "layers drawn)",
+            overall >= FAR_LARGER,
+            {"gradient transpose ÷ gradient": overall},
+        ),
+        Claim(
+            "transpose_spiky",
+            f"(128,1) gradient-transpose underflow is spiky: in some layer drawn a step reaches "
+            f"{SPIKE_FACTOR:g}x the layer's median step",
+            any(ratio >= SPIKE_FACTOR for ratio in spikes.values()),
+            spikes,
+        ),
+        Claim(
+            "transpose_worst_in_tail",
+            "(128,1) gradient-transpose underflow is worst in tail layers: the layer drawn with "
+            f"the largest step is in the last third of the depth (layer >= {math.ceil(tail)})",
+            worst >= tail,
+            {"worst layer": float(worst), **largest_steps},
+        ),
     ]
 
 
 def _distortion(panels: Mapping[str, dict], layers: Sequence[int], tail: float) -> list[Claim]:
-    medians = {f"{name}: median distortion": float(np.nanmedian(p["distortion"]))
-               for name, p in panels.items()}
+    medians = {
+        f"{name}: median distortion": float(np.nanmedian(p["distortion"])) for name, p in panels.items()
+    }
     lowest = {name: float(np.nanmin(p["distortion"])) for name, p in panels.items()}
     deepest_panel = min(lowest, key=lowest.get)
     distortion = panels[deepest_panel]["distortion"]
     deepest_layer = layers[int(np.unravel_index(np.nanargmin(distortion), distortion.shape)[1])]
     return [
-        Claim("distortion_near_one",
-              f"distortion (cosine similarity) stays near 1: the median of every panel >= {NEAR_ONE:g}",
-              all(value >= NEAR_ONE for value in medians.values()), medians),
-        Claim("transpose_distortion_dips",
-              "distortion dips in tail layers, deepest in the gradient transpose: the lowest "
-              "distortion drawn is in the (128,1) panel, in a layer of the last third",
-              deepest_panel == _panel_name("gradient_transpose", "128x1") and deepest_layer >= tail,
-              {**{f"{name}: lowest distortion": value for name, value in lowest.items()},
-               "layer of the lowest": float(deepest_layer)}),
+        Claim(
+            "distortion_near_one",
+            f"distortion (cosine similarity) stays near 1: the median of every panel >= {NEAR_ONE:g}",
+            all(value >= NEAR_ONE for value in medians.values()),
+            medians,
+        ),
+        Claim(
+            "transpose_distortion_dips",
+            "distortion dips in tail layers, deepest in the gradient transpose: the lowest "
+            "distortion drawn is in the (128,1) panel, in a layer of the last third",
+            deepest_panel == _panel_name("gradient_transpose", "128x1") and deepest_layer >= tail,
+            {
+                **{f"{name}: lowest distortion": value for name, value in lowest.items()},
+                "layer of the lowest": float(deepest_layer),
+            },
+        ),
     ]
 
 
@@ -284,8 +355,10 @@ def _panel_name(tensor: str, layout: str) -> str:
 def _require(ds: xr.Dataset, names: Sequence[str], what: str) -> None:
     missing = [name for name in names if name not in ds.variables]
     if missing:
-        raise ValueError(f"{what} lacks {', '.join(missing)}; use datasets made by "
-                         "precision_suite.run (schema in docs/architecture.md)")
+        raise ValueError(
+            f"{what} lacks {', '.join(missing)}; use datasets made by "
+            "precision_suite.run (schema in docs/architecture.md)"
+        )
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -306,55 +379,91 @@ def _end_value(series: xr.DataArray) -> float:
 
 
 _TITLES = {
-    "figure-a": ("Figure A reproduced: attention norm across training",
-                 "Saratchandran et al., \"Rethinking Softmax: Self-Attention with Polynomial "
-                 "Activations\" (arXiv 2410.18613), attention norm across epochs in layers 2 and 12"),
-    "figure-b": ("Figure B reproduced: FP8 underflow and distortion per layer",
-                 "\"Ling 2.0 Technical Report\" (arXiv 2510.22115), figure 16: FP8 quantization "
-                 "error of Ling-mini-2.0 layers 0, 4, 8, 12, 16 over tokens seen"),
+    "figure-a": (
+        "Figure A reproduced: attention norm across training",
+        'Saratchandran et al., "Rethinking Softmax: Self-Attention with Polynomial '
+        'Activations" (arXiv 2410.18613), attention norm across epochs in layers 2 and 12',
+    ),
+    "figure-b": (
+        "Figure B reproduced: FP8 underflow and distortion per layer",
+        '"Ling 2.0 Technical Report" (arXiv 2510.22115), figure 16: FP8 quantization '
+        "error of Ling-mini-2.0 layers 0, 4, 8, 12, 16 over tokens seen",
+    ),
 }
 _SETUP = {
-    "figure-a": ("One run per attention variant ({variants}) of a {depth}-block GPT on Shakespeare "
-                 "bytes, trained in float32 for {steps} steps of {batch_size} x {seq_len} tokens "
-                 "at lr {lr:g}, probed every {sample_every} steps. N = {seq_len} as in the paper's "
-                 "ImageNet ViT, so x/sqrt(N) is the paper's x/14. The x axis is tokens seen (the "
-                 "paper's: ImageNet epochs). The digits ViT cannot show the paper's tenfold gap "
-                 "between twins: its N is at most 64, and with similar trained scores a twin's "
-                 "norm ratio is sqrt(N) <= 8."),
-    "figure-b": ("One run of the default {depth}-block GPT on Shakespeare bytes, {steps} steps of "
-                 "{batch_size} x {seq_len} tokens; every {sample_every} steps each GEMM operand "
-                 "is quantized as the FP8 block recipe does (E4M3, (1,128) activations and "
-                 "gradients, (128,128) weights, (128,1) gradient transpose for the weight-gradient "
-                 "GEMM). It trains in float32 (the paper trains in FP8): training through the "
-                 "emulated FP8 GEMMs costs 2.6x the time here and gave the same verdict on every "
-                 "claim. Underflow counts elements non-zero before and zero after quantization "
-                 "(Transformer Engine's definition); distortion is the cosine similarity of a "
-                 "tensor and its reconstruction."),
+    "figure-a": (
+        "One run per attention variant ({variants}) of a {depth}-block GPT on Shakespeare "
+        "bytes, trained in float32 for {steps} steps of {batch_size} x {seq_len} tokens "
+        "at lr {lr:g}, probed every {sample_every} steps. N = {seq_len} as in the paper's "
+        "ImageNet ViT, so x/sqrt(N) is the paper's x/14. The x axis is tokens seen (the "
+        "paper's: ImageNet epochs). The digits ViT cannot show the paper's tenfold gap "
+        "between twins: its N is at most 64, and with similar trained scores a twin's "
+        "norm ratio is sqrt(N) <= 8."
+    ),
+    "figure-b": (
+        "One run of the default {depth}-block GPT on Shakespeare bytes, {steps} steps of "
+        "{batch_size} x {seq_len} tokens; every {sample_every} steps each GEMM operand "
+        "is quantized as the FP8 block recipe does (E4M3, (1,128) activations and "
+        "gradients, (128,128) weights, (128,1) gradient transpose for the weight-gradient "
+        "GEMM). It trains in float32 (the paper trains in FP8): training through the "
+        "emulated FP8 GEMMs costs 2.6x the time here and gave the same verdict on every "
+        "claim. Underflow counts elements non-zero before and zero after quantization "
+        "(Transformer Engine's definition); distortion is the cosine similarity of a "
+        "tensor and its reconstruction."
+    ),
 }
 
 
-def note_markdown(figure: str, specs: Sequence[RunSpec], claims: Sequence[Claim], chart_name: str,
-                  dataset_paths: Sequence[Path], seconds: float) -> str:
+def note_markdown(
+    figure: str,
+    specs: Sequence[RunSpec],
+    claims: Sequence[Claim],
+    chart_name: str,
+    dataset_paths: Sequence[Path],
+    seconds: float,
+) -> str:
     """The Markdown note: source, runs, figure, each claim with its verdict and numbers."""
     check_figure(figure)
     title, source = _TITLES[figure]
     spec = specs[0]
     config = spec.model_config()
     setup = _SETUP[figure].format(
-        variants=", ".join(s.attention for s in specs), depth=config.depth, steps=spec.steps,
-        batch_size=spec.resolved_batch_size(), seq_len=config.tokens, lr=spec.resolved_lr(),
-        sample_every=spec.sample_every)
+        variants=", ".join(s.attention for s in specs),
+        depth=config.depth,
+        steps=spec.steps,
+        batch_size=spec.resolved_batch_size(),
+        seq_len=config.tokens,
+        lr=spec.resolved_lr(),
+        sample_every=spec.sample_every,
+    )
     shown = sum(claim.holds for claim in claims)
-    lines = [f"# {title}", "", f"Paper: {source}.", "", setup, "",
-             f"![{figure}]({chart_name})", "",
-             f"**{shown} of {len(claims)} claims shown** (computed from the datasets by "
-             f"`precision_suite.reports.reproduction.{figure.replace('-', '_')}_claims`).", "",
-             "| claim | shown | numbers |", "|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        f"Paper: {source}.",
+        "",
+        setup,
+        "",
+        f"![{figure}]({chart_name})",
+        "",
+        f"**{shown} of {len(claims)} claims shown** (computed from the datasets by "
+        f"`precision_suite.reports.reproduction.{figure.replace('-', '_')}_claims`).",
+        "",
+        "| claim | shown | numbers |",
+        "|---|---|---|",
+    ]
     for claim in claims:
         numbers = "; ".join(f"{name} {value:.4g}" for name, value in claim.numbers.items())
-        lines.append(f"| {markdown_cell(claim.text)} | {'yes' if claim.holds else '**no**'} | "
-                     f"{markdown_cell(numbers)} |")
-    lines += ["", f"Training took {seconds:.0f} s. Datasets: "
-              + ", ".join(f"`{path.name}`" for path in dataset_paths) + ".",
-              f"Made with `precision-suite reproduce {figure}`.", ""]
+        lines.append(
+            f"| {markdown_cell(claim.text)} | {'yes' if claim.holds else '**no**'} | "
+            f"{markdown_cell(numbers)} |"
+        )
+    lines += [
+        "",
+        f"Training took {seconds:.0f} s. Datasets: "
+        + ", ".join(f"`{path.name}`" for path in dataset_paths)
+        + ".",
+        f"Made with `precision-suite reproduce {figure}`.",
+        "",
+    ]
     return "\n".join(lines)

@@ -44,8 +44,13 @@ from precision_suite.verdicts.rules import run_spec
 from precision_suite.version import __version__
 
 STATUS_ORDER = ("fail", "error", "known", "drift", "pass")  # report order: what needs a person first
-STATUS_BADGE = {"fail": "❌ fail", "error": "⚠️ error", "known": "🔷 known violation", "drift": "🔶 drift",
-                "pass": "✅ pass"}
+STATUS_BADGE = {
+    "fail": "❌ fail",
+    "error": "⚠️ error",
+    "known": "🔷 known violation",
+    "drift": "🔶 drift",
+    "pass": "✅ pass",
+}
 SUMMARY_SCHEMA_VERSION = 1
 MAX_FINDINGS_IN_MARKDOWN = 10  # per case; the full list is in summary.json and index.html
 MAX_MARKDOWN_BYTES = 1024 * 1024  # GitHub's job-summary limit: summary.md must fit
@@ -74,10 +79,16 @@ def new_report_dir(root: str | Path = "reports") -> Path:
     raise FileExistsError(f"could not create a new report folder under {root}; clean it up")
 
 
-def write_report(verdicts: Sequence, out_dir: str | Path,
-                 datasets: Mapping[str, xr.Dataset] | None = None,
-                 charts: str = "failing", known: Mapping[str, str] | None = None,
-                 sensitivity: Mapping | None = None, title: str = "", context: Sequence[str] = ()) -> Path:
+def write_report(
+    verdicts: Sequence,
+    out_dir: str | Path,
+    datasets: Mapping[str, xr.Dataset] | None = None,
+    charts: str = "failing",
+    known: Mapping[str, str] | None = None,
+    sensitivity: Mapping | None = None,
+    title: str = "",
+    context: Sequence[str] = (),
+) -> Path:
     """Write index.html, summary.md, summary.json (and charts/) into `out_dir`; return `out_dir`.
 
     `datasets` maps case -> current run dataset; with it, figure A and figure B charts are drawn
@@ -111,8 +122,12 @@ def write_report(verdicts: Sequence, out_dir: str | Path,
     overview = _draw_overviews(out, datasets) if charts != "none" else []
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
-    summary = _summary(entries, overview, known, {case: str(ds.attrs.get("quantized_by", ""))
-                                                  for case, ds in datasets.items()})
+    summary = _summary(
+        entries,
+        overview,
+        known,
+        {case: str(ds.attrs.get("quantized_by", "")) for case, ds in datasets.items()},
+    )
     summary["sensitivity"] = jsonable(dict(sensitivity)) if sensitivity else None
     # what the report compares, said first (`diff`: HEAD and BASE with their commits, the gate)
     summary["title"], summary["context"] = title, list(context)
@@ -153,12 +168,19 @@ def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], lis
 def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
     drawn = []
     if "attention_norm" in ds.data_vars:
-        drawn.append(_save(out, f"{safe_filename(case)}-attention-norm.png",
-                           plot_attention_norm({str(ds.attrs.get("case", case)): ds})))
+        drawn.append(
+            _save(
+                out,
+                f"{safe_filename(case)}-attention-norm.png",
+                plot_attention_norm({str(ds.attrs.get("case", case)): ds}),
+            )
+        )
     if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
         drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", plot_quant_error(ds)))
     if "observed_underflow" in ds.data_vars:
-        drawn.append(_save(out, f"{safe_filename(case)}-observed-quant-error.png", plot_observed_quant_error(ds)))
+        drawn.append(
+            _save(out, f"{safe_filename(case)}-observed-quant-error.png", plot_observed_quant_error(ds))
+        )
     return drawn
 
 
@@ -173,27 +195,40 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
         spec = run_spec(ds)
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
-    drawn = [_save(out, f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
-                   plot_attention_norm(group))
-             for (model, recipe), group in sorted(groups.items()) if len(group) > 1]
+    drawn = [
+        _save(
+            out,
+            f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
+            plot_attention_norm(group),
+        )
+        for (model, recipe), group in sorted(groups.items())
+        if len(group) > 1
+    ]
     case = _figure_b_case(datasets)
     if case is not None:
-        drawn.append(_save(out, f"overview-{safe_filename(case)}-quant-error.png",
-                           plot_quant_error(datasets[case])))
+        drawn.append(
+            _save(out, f"overview-{safe_filename(case)}-quant-error.png", plot_quant_error(datasets[case]))
+        )
     accumulating = {case: ds for case, ds in datasets.items() if "accumulation_sums" in ds.data_vars}
     if accumulating:  # the law measured afresh (a few seconds), the runs' GEMMs drawn on it
-        drawn.append(_save(out, "overview-accumulation-law.png", plot_accumulation_law(error_law(), accumulating)))
+        drawn.append(
+            _save(out, "overview-accumulation-law.png", plot_accumulation_law(error_law(), accumulating))
+        )
     return drawn
 
 
 def _figure_b_case(datasets: Mapping[str, xr.Dataset]) -> str | None:
     """The case figure B is drawn of: the first (in case order) trained in low precision, as in
     the paper, else the first with quantization metrics at all; None when no run has them."""
-    measured = [case for case in sorted(datasets)
-                if {"underflow", "distortion", "tokens"} <= set(datasets[case].variables)
-                and np.isfinite(datasets[case]["underflow"].values).any()]
-    low_precision = [case for case in measured
-                     if run_spec(datasets[case]).get("recipe") not in (None, "fp32")]
+    measured = [
+        case
+        for case in sorted(datasets)
+        if {"underflow", "distortion", "tokens"} <= set(datasets[case].variables)
+        and np.isfinite(datasets[case]["underflow"].values).any()
+    ]
+    low_precision = [
+        case for case in measured if run_spec(datasets[case]).get("recipe") not in (None, "fp32")
+    ]
     return (low_precision or measured or [None])[0]
 
 
@@ -222,8 +257,12 @@ def jsonable(value):
     return str(value)
 
 
-def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapping[str, str],
-             quantized_by: Mapping[str, str]) -> dict:
+def _summary(
+    entries: Sequence[_CaseEntry],
+    overview: Sequence[str],
+    known: Mapping[str, str],
+    quantized_by: Mapping[str, str],
+) -> dict:
     # known violations are listed with their status but do not set the overall verdict
     statuses = [str(e.verdict.status) for e in entries if e.verdict.case not in known]
     return {
@@ -231,25 +270,40 @@ def _summary(entries: Sequence[_CaseEntry], overview: Sequence[str], known: Mapp
         "package_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "overall": overall_status(statuses),
-        "counts": {**{status: statuses.count(status) for status in STATUS_ORDER},
-                   "known": sum(e.verdict.case in known for e in entries)},
+        "counts": {
+            **{status: statuses.count(status) for status in STATUS_ORDER},
+            "known": sum(e.verdict.case in known for e in entries),
+        },
         "overview_charts": list(overview),
-        "cases": [{"case": e.verdict.case, "status": e.verdict.status,
-                   "findings": [jsonable(f) for f in e.verdict.findings],
-                   "charts": list(e.charts), "missing_charts": list(e.missing_charts),
-                   "known_violation": known.get(e.verdict.case),
-                   # what quantized the run, when the model's own code did (training/observation.py)
-                   "quantized_by": quantized_by.get(e.verdict.case, "")}
-                  for e in entries],
+        "cases": [
+            {
+                "case": e.verdict.case,
+                "status": e.verdict.status,
+                "findings": [jsonable(f) for f in e.verdict.findings],
+                "charts": list(e.charts),
+                "missing_charts": list(e.missing_charts),
+                "known_violation": known.get(e.verdict.case),
+                # what quantized the run, when the model's own code did (training/observation.py)
+                "quantized_by": quantized_by.get(e.verdict.case, ""),
+            }
+            for e in entries
+        ],
     }
 
 
 def _headline(summary: dict) -> str:
     counts = summary["counts"]
-    parts = [f"{counts[s]} {word}" for s, word in
-             (("fail", "failing"), ("error", "erroring"), ("drift", "drifting"), ("pass", "passing"),
-              ("known", "known violations"))
-             if counts[s]]
+    parts = [
+        f"{counts[s]} {word}"
+        for s, word in (
+            ("fail", "failing"),
+            ("error", "erroring"),
+            ("drift", "drifting"),
+            ("pass", "passing"),
+            ("known", "known violations"),
+        )
+        if counts[s]
+    ]
     what = summary.get("title") or "precision-suite"
     return f"{what}: {summary['overall'].upper()} ({', '.join(parts) or 'no cases'})"
 
@@ -260,15 +314,22 @@ def markdown_cell(text: object) -> str:
 
 
 def _markdown(summary: dict, out: Path) -> str:
-    lines = [f"## {_headline(summary)}", "", *(f"{line}  " for line in summary.get("context", ())),
-             *([""] if summary.get("context") else []), "| status | case | findings | worst finding |",
-             "|---|---|---|---|"]
+    lines = [
+        f"## {_headline(summary)}",
+        "",
+        *(f"{line}  " for line in summary.get("context", ())),
+        *([""] if summary.get("context") else []),
+        "| status | case | findings | worst finding |",
+        "|---|---|---|---|",
+    ]
     for case in summary["cases"]:
         worst = _worst(case["findings"])
         first = worst[0]["message"] if worst else ""
         badge = STATUS_BADGE[case["status"]] + (" (known)" if case["known_violation"] else "")
-        lines.append(f"| {badge} | `{markdown_cell(case['case'])}` | "
-                     f"{len(case['findings'])} | {markdown_cell(first)} |")
+        lines.append(
+            f"| {badge} | `{markdown_cell(case['case'])}` | "
+            f"{len(case['findings'])} | {markdown_cell(first)} |"
+        )
     for case in summary["cases"]:
         if case["status"] == "pass":
             continue
@@ -291,7 +352,7 @@ def _markdown(summary: dict, out: Path) -> str:
     cut = "\n\n(cut to fit a CI job summary of 1 MiB: every finding is in summary.json)\n"
     budget = MAX_MARKDOWN_BYTES - len(("\n".join(tail) + cut).encode("utf-8"))
     kept = text.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
-    return kept[:kept.rfind("\n")] + cut + "\n".join(tail)
+    return kept[: kept.rfind("\n")] + cut + "\n".join(tail)
 
 
 def _sensitivity_lines(sensitivity: Mapping | None) -> list[str]:
@@ -331,8 +392,10 @@ def figure_html(out: Path, rel: str, anchor: str = "") -> str:
     if mime is None:
         return f'<p{ident}><a href="{html.escape(rel)}">{html.escape(rel)}</a></p>'
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return (f'<figure{ident}><img src="data:{mime};base64,{data}" alt="{html.escape(rel)}" '
-            f'data-chart="{html.escape(rel)}"><figcaption>{html.escape(rel)}</figcaption></figure>')
+    return (
+        f'<figure{ident}><img src="data:{mime};base64,{data}" alt="{html.escape(rel)}" '
+        f'data-chart="{html.escape(rel)}"><figcaption>{html.escape(rel)}</figcaption></figure>'
+    )
 
 
 def _number(value: object) -> str:
@@ -348,7 +411,10 @@ def _badge(status: str) -> str:
 
 def _worst(findings: Sequence[dict], limit: int = MAX_WORST_FINDINGS) -> list[dict]:
     """Findings that block first, then the largest distance from the band (`score`)."""
-    return sorted(findings, key=lambda f: severity(f.get("kind"), f.get("score"), f.get("known", ""), f.get("tolerance")))[:limit]
+    return sorted(
+        findings,
+        key=lambda f: severity(f.get("kind"), f.get("score"), f.get("known", ""), f.get("tolerance")),
+    )[:limit]
 
 
 def _findings_table(findings: Sequence[dict], chart_link: str = "") -> str:
@@ -357,14 +423,28 @@ def _findings_table(findings: Sequence[dict], chart_link: str = "") -> str:
         return "<p>No findings.</p>"
     link_cell = f"<td>{chart_link}</td>" if chart_link else ""
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_number(v))}</td>" for v in (
-            f.get("kind"), f.get("metric"),
-            ", ".join(f"{k}={v}" for k, v in (f.get("where") or {}).items()),
-            f.get("value"), f.get("reference"), f.get("tolerance"), f.get("message"))) + link_cell + "</tr>"
-        for f in findings)
-    return ("<table><tr><th>kind</th><th>metric</th><th>where</th><th>value</th>"
-            f"<th>reference</th><th>tolerance</th><th>message</th>{'<th></th>' if chart_link else ''}"
-            f"</tr>{rows}</table>")
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(_number(v))}</td>"
+            for v in (
+                f.get("kind"),
+                f.get("metric"),
+                ", ".join(f"{k}={v}" for k, v in (f.get("where") or {}).items()),
+                f.get("value"),
+                f.get("reference"),
+                f.get("tolerance"),
+                f.get("message"),
+            )
+        )
+        + link_cell
+        + "</tr>"
+        for f in findings
+    )
+    return (
+        "<table><tr><th>kind</th><th>metric</th><th>where</th><th>value</th>"
+        f"<th>reference</th><th>tolerance</th><th>message</th>{'<th></th>' if chart_link else ''}"
+        f"</tr>{rows}</table>"
+    )
 
 
 def _case_html(out: Path, i: int, case: dict) -> str:
@@ -374,21 +454,37 @@ def _case_html(out: Path, i: int, case: dict) -> str:
     anchors = [f"case-{i}-chart-{j}" for j in range(len(case["charts"]))]
     charts = "".join(figure_html(out, rel, anchor) for rel, anchor in zip(case["charts"], anchors))
     link = f'<a href="#{anchors[0]}">chart</a>' if anchors else ""
-    worst = "".join(f"<li>{esc(f.get('message', ''))}{f' ({link})' if link else ''}</li>"
-                    for f in _worst(case["findings"]))
-    missing = "".join(f'<p class="error">chart not found: <code>{esc(p)}</code></p>'
-                      for p in case["missing_charts"])
+    worst = "".join(
+        f"<li>{esc(f.get('message', ''))}{f' ({link})' if link else ''}</li>"
+        for f in _worst(case["findings"])
+    )
+    missing = "".join(
+        f'<p class="error">chart not found: <code>{esc(p)}</code></p>' for p in case["missing_charts"]
+    )
     worst_list = f"<h3>Worst findings</h3><ul>{worst}</ul>" if case["findings"] else "<p>No findings.</p>"
-    table = (f"<details><summary>All {len(case['findings'])} findings</summary>"
-             f"{_findings_table(case['findings'], link)}</details>" if case["findings"] else "")
-    known = (f'<p>Known violation, not failing the run: {esc(case["known_violation"])}</p>'
-             if case["known_violation"] else "")
+    table = (
+        f"<details><summary>All {len(case['findings'])} findings</summary>"
+        f"{_findings_table(case['findings'], link)}</details>"
+        if case["findings"]
+        else ""
+    )
+    known = (
+        f"<p>Known violation, not failing the run: {esc(case['known_violation'])}</p>"
+        if case["known_violation"]
+        else ""
+    )
     if case.get("quantized_by"):
         known += f'<p class="meta">Quantized by the model\'s own code: {esc(case["quantized_by"])}</p>'
-    body = (f'<div class="case"><div class="charts">{charts}{missing}</div>'
-            f'<aside class="worst">{worst_list}</aside></div>' if charts or missing else worst_list)
-    return (f'<section id="case-{i}"><h2 class="{esc(case["status"])}">{_badge(case["status"])} '
-            f'{esc(case["case"])}</h2>{known}{body}{table}</section>')
+    body = (
+        f'<div class="case"><div class="charts">{charts}{missing}</div>'
+        f'<aside class="worst">{worst_list}</aside></div>'
+        if charts or missing
+        else worst_list
+    )
+    return (
+        f'<section id="case-{i}"><h2 class="{esc(case["status"])}">{_badge(case["status"])} '
+        f"{esc(case['case'])}</h2>{known}{body}{table}</section>"
+    )
 
 
 def _html(summary: dict, out: Path) -> str:
@@ -396,36 +492,51 @@ def _html(summary: dict, out: Path) -> str:
     # one wrapped line of links rather than a table: ten cases must not push the first failing
     # case off the first screen
     case_links = "".join(
-        f'<span>{_badge(c["status"])} <a href="#case-{i}">{esc(c["case"])}</a> '
-        f'({len(c["findings"])})</span>'
-        for i, c in enumerate(summary["cases"]))
+        f'<span>{_badge(c["status"])} <a href="#case-{i}">{esc(c["case"])}</a> ({len(c["findings"])})</span>'
+        for i, c in enumerate(summary["cases"])
+    )
     sections = [_case_html(out, i, case) for i, case in enumerate(summary["cases"])]
     overview = "".join(figure_html(out, rel) for rel in summary["overview_charts"])
-    overview_section = (f"<section><h2>Overview: attention norm across variants (figure A), "
-                        f"quantization error per layer (figure B), accumulation error against K</h2>"
-                        f"{overview}</section>"
-                        if overview else "")
+    overview_section = (
+        f"<section><h2>Overview: attention norm across variants (figure A), "
+        f"quantization error per layer (figure B), accumulation error against K</h2>"
+        f"{overview}</section>"
+        if overview
+        else ""
+    )
     sensitivity = summary.get("sensitivity") or {}
     detectable = "".join(
         f"<tr><td>{esc(case)}</td><td>{esc(metric)}</td><td>{esc(text)}</td></tr>"
         for case, changes in (sensitivity.get("detectable_change") or {}).items()
-        for metric, text in changes.items())
+        for metric, text in changes.items()
+    )
     sensitivity_section = (
-        "<section><h2>Sensitivity of the comparison</h2>"
-        + "".join(f"<p>{esc(line)}</p>" for line in _sensitivity_lines(sensitivity))
-        + (f"<details><summary>Smallest change detected, per case and metric</summary><table>"
-           f"<tr><th>case</th><th>metric</th><th>smallest detected change</th></tr>{detectable}"
-           f"</table></details>" if detectable else "")
-        + "</section>") if sensitivity else ""
+        (
+            "<section><h2>Sensitivity of the comparison</h2>"
+            + "".join(f"<p>{esc(line)}</p>" for line in _sensitivity_lines(sensitivity))
+            + (
+                f"<details><summary>Smallest change detected, per case and metric</summary><table>"
+                f"<tr><th>case</th><th>metric</th><th>smallest detected change</th></tr>{detectable}"
+                f"</table></details>"
+                if detectable
+                else ""
+            )
+            + "</section>"
+        )
+        if sensitivity
+        else ""
+    )
     headline = esc(_headline(summary))
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{headline}</title><style>{CSS}</style></head><body>"
-            f"<h1 class=\"{esc(summary['overall'])}\">{_badge(summary['overall'])} {headline}</h1>"
-            + "".join(f"<p class=\"context\">{esc(line)}</p>" for line in summary.get("context", ())) +
-            f"<p class=\"meta\">Created {esc(summary['created'])} by precision-suite "
-            f"{esc(summary['package_version'])}. Machine-readable: <code>summary.json</code>. "
-            f"Cases with their number of findings:</p><nav class=\"cases\">{case_links}</nav>"
-            f"{''.join(sections)}{overview_section}{sensitivity_section}</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{headline}</title><style>{CSS}</style></head><body>"
+        f'<h1 class="{esc(summary["overall"])}">{_badge(summary["overall"])} {headline}</h1>'
+        + "".join(f'<p class="context">{esc(line)}</p>' for line in summary.get("context", ()))
+        + f'<p class="meta">Created {esc(summary["created"])} by precision-suite '
+        f"{esc(summary['package_version'])}. Machine-readable: <code>summary.json</code>. "
+        f'Cases with their number of findings:</p><nav class="cases">{case_links}</nav>'
+        f"{''.join(sections)}{overview_section}{sensitivity_section}</body></html>\n"
+    )
 
 
 def write_text(path: Path, text: str) -> None:

@@ -76,8 +76,10 @@ def get_attention(name: str) -> AttentionFn:
         return polynomial
     if is_import_string(name):
         return load_object(name, "attention")
-    raise ValueError(f"unknown attention {name!r}; known: {', '.join(known_attentions())}, "
-                     "or a function of yours as package.module:function")
+    raise ValueError(
+        f"unknown attention {name!r}; known: {', '.join(known_attentions())}, "
+        "or a function of yours as package.module:function"
+    )
 
 
 def _parse_polynomial(name: str) -> AttentionFn | None:
@@ -126,8 +128,6 @@ def relu_over_n(scores: Tensor, n_tokens: int, causal_mask: Tensor | None) -> Te
 
 
 @register_attention("ssmax")
-def scalable_softmax(
-    scores: Tensor, n_tokens: int, causal_mask: Tensor | None, s: float = 1.0
-) -> Tensor:
+def scalable_softmax(scores: Tensor, n_tokens: int, causal_mask: Tensor | None, s: float = 1.0) -> Tensor:
     """Scalable softmax softmax(s log(N) S) (arXiv 2501.19399); s is a constant here, not learned."""
     return _masked_softmax(scores * (s * math.log(n_tokens)), causal_mask)

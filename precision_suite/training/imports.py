@@ -43,7 +43,9 @@ def project_importable(root: str | os.PathLike) -> Iterator[Path]:
         sys.path.insert(0, entry)
         importlib.invalidate_caches()
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (entry, *(saved or "").split(os.pathsep)) if p))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        dict.fromkeys(p for p in (entry, *(saved or "").split(os.pathsep)) if p)
+    )
     _ROOTS.append(folder)
     try:
         yield folder
@@ -67,7 +69,9 @@ def load_object(text: str, what: str) -> Any:
         obj: Any = importlib.import_module(module)
     except ModuleNotFoundError as error:
         if error.name is None or not _is_prefix(error.name, module):
-            raise ValueError(f"{what}: importing {module!r} failed: {error}; install what it imports") from None
+            raise ValueError(
+                f"{what}: importing {module!r} failed: {error}; install what it imports"
+            ) from None
         raise ValueError(f"{what}: cannot import {module!r}: {_not_found(error.name)}") from None
     except ImportError as error:  # the user's module imports a name its dependency lacks
         raise ValueError(f"{what}: importing {module!r} failed: {error}") from None
@@ -93,10 +97,17 @@ def _not_found(missing: str) -> str:
     if package:
         folders = ", ".join(getattr(sys.modules.get(package), "__path__", []))
         found = f" (in {folders})" if folders else ""
-        return (f"package {package!r}{found} has no module {leaf!r}; check the name (a module is a {leaf}.py "
-                f"file or a {leaf}/ folder with an __init__.py)")
-    where = f"under {_ROOTS[-1]} (the project root: the current directory, under pytest its rootdir)" \
-        if _ROOTS else "on sys.path"
-    return (f"no module {missing!r} {where} nor among the installed packages; check the name (a {missing}.py "
-            f"file or a {missing}/ folder with an __init__.py), or run from the folder that holds it, install "
-            "it (pip install -e .) or add its folder to PYTHONPATH")
+        return (
+            f"package {package!r}{found} has no module {leaf!r}; check the name (a module is a {leaf}.py "
+            f"file or a {leaf}/ folder with an __init__.py)"
+        )
+    where = (
+        f"under {_ROOTS[-1]} (the project root: the current directory, under pytest its rootdir)"
+        if _ROOTS
+        else "on sys.path"
+    )
+    return (
+        f"no module {missing!r} {where} nor among the installed packages; check the name (a {missing}.py "
+        f"file or a {missing}/ folder with an __init__.py), or run from the folder that holds it, install "
+        "it (pip install -e .) or add its folder to PYTHONPATH"
+    )

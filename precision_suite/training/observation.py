@@ -65,8 +65,14 @@ aten = torch.ops.aten
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 # the module tensor each operand is, for a linear-like module (Observation.live)
-OPERAND_TENSORS = {"fprop.a": "x", "fprop.b": "weight", "dgrad.a": "dy", "dgrad.b": "weight",
-                   "wgrad.a": "dy", "wgrad.b": "x"}
+OPERAND_TENSORS = {
+    "fprop.a": "x",
+    "fprop.b": "weight",
+    "dgrad.a": "dy",
+    "dgrad.b": "weight",
+    "wgrad.a": "dy",
+    "wgrad.b": "x",
+}
 _CASTS = {aten._to_copy.default}
 _SCALINGS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div"}
 _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default}
@@ -86,7 +92,9 @@ def _first_matrix(tensor: Tensor) -> Tensor:
     return tensor[0]
 
 
-def _replay(op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Callable[[Tensor], Tensor]:
+def _replay(
+    op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Callable[[Tensor], Tensor]:
     """The op applied to another tensor with the same arguments."""
     return lambda tensor: op(tensor, *args, **kwargs)
 
@@ -94,10 +102,19 @@ def _replay(op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str,
 # ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
 # tensors at the GEMM (None: the op itself)
 _RELINKS: dict[Any, Callable[..., Tensor] | None] = {
-    aten.view.default: _as_reshape, aten._unsafe_view.default: _as_reshape, aten.reshape.default: _as_reshape,
-    aten.t.default: None, aten.transpose.int: None, aten.permute.default: None, aten.expand.default: None,
-    aten.unsqueeze.default: None, aten.squeeze.dim: None, aten.squeeze.default: None,
-    aten.clone.default: _same, aten.alias.default: _same, aten.detach.default: _same,
+    aten.view.default: _as_reshape,
+    aten._unsafe_view.default: _as_reshape,
+    aten.reshape.default: _as_reshape,
+    aten.t.default: None,
+    aten.transpose.int: None,
+    aten.permute.default: None,
+    aten.expand.default: None,
+    aten.unsqueeze.default: None,
+    aten.squeeze.dim: None,
+    aten.squeeze.default: None,
+    aten.clone.default: _same,
+    aten.alias.default: _same,
+    aten.detach.default: _same,
 }
 
 
@@ -173,12 +190,13 @@ class Dequantization:
         if self.scaling is None:
             scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
         else:
-            factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at:])
+            factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at :])
             if factor is None:
                 return None
             scaling = Scaling(self.scaling.op, factor)
-        return _GemmOperand(data, scaling, cast=cast, source=replayed(cast.source),
-                            cast_input=replayed(cast.cast_input))
+        return _GemmOperand(
+            data, scaling, cast=cast, source=replayed(cast.source), cast_input=replayed(cast.cast_input)
+        )
 
 
 @dataclass(frozen=True)
@@ -201,7 +219,9 @@ class StepObservation:
 
     operands: list[ObservedOperand] = field(default_factory=list)
     cast_modules: set[str] = field(default_factory=set)  # modules that cast to 8-bit floats
-    unconsumed: dict[str, int] = field(default_factory=dict)  # module -> elements cast but fed to no GEMM seen
+    unconsumed: dict[str, int] = field(
+        default_factory=dict
+    )  # module -> elements cast but fed to no GEMM seen
 
 
 def _torchao_operand(tensor: Tensor) -> _GemmOperand:
@@ -216,10 +236,16 @@ SUBCLASS_OPERANDS: dict[str, Callable[[Tensor], _GemmOperand]] = {
     "torchao.float8.float8_training_tensor.Float8TrainingTensor": _torchao_operand,
 }
 # torchao's GemmInputRole of each operand: which GEMM a pair of roles is
-_TORCHAO_GEMMS = {frozenset({"input", "weight"}): "fprop", frozenset({"grad_output", "weight"}): "dgrad",
-                  frozenset({"grad_output", "input"}): "wgrad"}
-_TORCHAO_SIDES = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"),
-                  "wgrad": ("grad_output", "input")}
+_TORCHAO_GEMMS = {
+    frozenset({"input", "weight"}): "fprop",
+    frozenset({"grad_output", "weight"}): "dgrad",
+    frozenset({"grad_output", "input"}): "wgrad",
+}
+_TORCHAO_SIDES = {
+    "fprop": ("input", "weight"),
+    "dgrad": ("grad_output", "weight"),
+    "wgrad": ("grad_output", "input"),
+}
 _TORCHAO_GEMM_CONFIG = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
 
 
@@ -241,15 +267,22 @@ class Observation(TorchDispatchMode):
     during the call.
     """
 
-    def __init__(self, module_now: Callable[[], str], live: Mapping[str, Mapping[str, Tensor]],
-                 modules: Callable[[str], bool], on_gemm: Callable[[GemmCall], None] | None = None) -> None:
+    def __init__(
+        self,
+        module_now: Callable[[], str],
+        live: Mapping[str, Mapping[str, Tensor]],
+        modules: Callable[[str], bool],
+        on_gemm: Callable[[GemmCall], None] | None = None,
+    ) -> None:
         super().__init__()
         self.module_now, self.live, self.wanted, self.on_gemm = module_now, live, modules, on_gemm
         self.operands: list[ObservedOperand] = []
         self.casts: list[Cast] = []
         self._scaled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> (op, source, factor)
         self._clamped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> input
-        self._links: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> Dequantization of a cast's output
+        self._links: WeakIdKeyDictionary = (
+            WeakIdKeyDictionary()
+        )  # tensor -> Dequantization of a cast's output
         self._quantized: set[str] = set()  # modules whose GEMMs took a quantized operand this step
         self._backward_gemms: dict[tuple[str, int], int] = {}  # (module, autograd node) -> GEMMs seen
 
@@ -258,7 +291,11 @@ class Observation(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _CASTS or func is aten.copy_.default:
             cast_input, output = (args[1], args[0]) if func is aten.copy_.default else (args[0], out)
-            if isinstance(output, Tensor) and isinstance(cast_input, Tensor) and cast_input.is_floating_point():
+            if (
+                isinstance(output, Tensor)
+                and isinstance(cast_input, Tensor)
+                and cast_input.is_floating_point()
+            ):
                 if low_precision_format(output.dtype) and low_precision_format(cast_input.dtype) is None:
                     self._cast(cast_input, output)
                 elif low_precision_format(output.dtype) is None and output.is_floating_point():
@@ -309,9 +346,17 @@ class Observation(TorchDispatchMode):
         if low_precision_format(data.dtype) is None:
             return None
         module, _ = self._where()
-        cast = next((c for c in reversed(self.casts) if c.module == module and c.output.shape == data.shape
-                     and c.output.dtype == data.dtype), None)
-        return None if cast is None else Dequantization(replace(cast, output=data, consumed=False, origin=cast))
+        cast = next(
+            (
+                c
+                for c in reversed(self.casts)
+                if c.module == module and c.output.shape == data.shape and c.output.dtype == data.dtype
+            ),
+            None,
+        )
+        return (
+            None if cast is None else Dequantization(replace(cast, output=data, consumed=False, origin=cast))
+        )
 
     def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
         """A dequantized 8-bit tensor multiplied (q * s: the reconstruction divides by s's
@@ -322,8 +367,11 @@ class Observation(TorchDispatchMode):
             link, a, b = self._links.get(b), b, a
         if link is None or not link.wide or link.scaling is not None or out.shape != a.shape:
             return
-        factor = b.detach() if isinstance(b, Tensor) else torch.tensor(float(b), dtype=torch.float32,
-                                                                        device=out.device)
+        factor = (
+            b.detach()
+            if isinstance(b, Tensor)
+            else torch.tensor(float(b), dtype=torch.float32, device=out.device)
+        )
         scaling = Scaling("div" if func is aten.mul.Tensor else "mul", factor)
         self._links[out] = replace(link, scaling=scaling, at=len(link.chain), shape_at=tuple(out.shape))
 
@@ -359,17 +407,32 @@ class Observation(TorchDispatchMode):
             return None, None
         op, a, b = self._scaled[tensor]
         # x * s or s * x: the source has the product's shape, the factor broadcasts into it
-        if op == "mul" and isinstance(b, Tensor) and b.shape == tensor.shape and \
-                (not isinstance(a, Tensor) or a.shape != tensor.shape):
+        if (
+            op == "mul"
+            and isinstance(b, Tensor)
+            and b.shape == tensor.shape
+            and (not isinstance(a, Tensor) or a.shape != tensor.shape)
+        ):
             a, b = b, a
         factor = b if isinstance(b, Tensor) else torch.tensor(float(b), dtype=torch.float32, device=a.device)
         return a, Scaling(op, factor.float())
 
-    def _scaled_mm(self, a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Tensor | None = None,
-                   scale_result: Tensor | None = None, out_dtype: torch.dtype | None = None,
-                   use_fast_accum: bool = False) -> None:
-        self._gemm(_GemmOperand(a, Scaling("div", scale_a.float())), _GemmOperand(b, Scaling("div", scale_b.float())),
-                   bool(use_fast_accum))
+    def _scaled_mm(
+        self,
+        a: Tensor,
+        b: Tensor,
+        scale_a: Tensor,
+        scale_b: Tensor,
+        bias: Tensor | None = None,
+        scale_result: Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        use_fast_accum: bool = False,
+    ) -> None:
+        self._gemm(
+            _GemmOperand(a, Scaling("div", scale_a.float())),
+            _GemmOperand(b, Scaling("div", scale_b.float())),
+            bool(use_fast_accum),
+        )
 
     def _subclass_gemm(self, func: Any, args: Sequence[Any]) -> None:
         pair = [arg for arg in args[-2:]]  # mm(a, b), addmm(bias, a, b), bmm(a, b)
@@ -395,9 +458,23 @@ class Observation(TorchDispatchMode):
         if quantized:
             self._quantized.add(module)
         # a scaled GEMM as the hardware runs it; a fake-quantized one runs in float32
-        if self.on_gemm is not None and a.scaling is not None and b.scaling is not None and a.cast is b.cast is None:
-            self.on_gemm(GemmCall(module, gemm, a.data, a.scaling.dequantized(torch.ones_like(a.scaling.factor)),
-                                  b.data, b.scaling.dequantized(torch.ones_like(b.scaling.factor)), fast))
+        if (
+            self.on_gemm is not None
+            and a.scaling is not None
+            and b.scaling is not None
+            and a.cast is b.cast is None
+        ):
+            self.on_gemm(
+                GemmCall(
+                    module,
+                    gemm,
+                    a.data,
+                    a.scaling.dequantized(torch.ones_like(a.scaling.factor)),
+                    b.data,
+                    b.scaling.dequantized(torch.ones_like(b.scaling.factor)),
+                    fast,
+                )
+            )
         sides = (b, a) if swapped else (a, b)
         for side, operand in zip(("a", "b"), sides):
             executed_axis = 0 if (operand is b) else 1  # A (M, K) reduces over columns, B (K, N) over rows
@@ -428,8 +505,11 @@ class Observation(TorchDispatchMode):
             return "wgrad", True
         weight = self.live.get(module, {}).get("weight")
         out_shape = (a.data.shape[0], b.data.shape[1])
-        if weight is not None and weight.shape[0] != weight.shape[1] and out_shape in (tuple(weight.shape),
-                                                                                        tuple(weight.shape[::-1])):
+        if (
+            weight is not None
+            and weight.shape[0] != weight.shape[1]
+            and out_shape in (tuple(weight.shape), tuple(weight.shape[::-1]))
+        ):
             return "wgrad", out_shape == tuple(weight.shape[::-1])
         return ("dgrad" if seen == 1 else "wgrad"), False
 
@@ -465,8 +545,9 @@ class Observation(TorchDispatchMode):
                 return cast, True
         return None
 
-    def _describe(self, module: str, gemm: str, operand: str, given: _GemmOperand, executed_axis: int,
-                  fast: bool | None) -> ObservedOperand:
+    def _describe(
+        self, module: str, gemm: str, operand: str, given: _GemmOperand, executed_axis: int, fast: bool | None
+    ) -> ObservedOperand:
         """The operand in the suite's orientation, with the high-precision tensor it came from and
         its cast's input where found (its cast marked consumed)."""
         turn = executed_axis != CONTRACTION_AXIS[operand]  # executed orientation -> the suite's
@@ -476,8 +557,10 @@ class Observation(TorchDispatchMode):
         scaling = given.scaling.transposed() if turn else given.scaling
         if given.cast is not None:  # a dequantized cast: its tensors came with it, as executed
             given.cast.consume()
-            source, cast_input = ((None if t is None else (t.t() if turn else t).float())
-                                  for t in (given.source, given.cast_input))
+            source, cast_input = (
+                (None if t is None else (t.t() if turn else t).float())
+                for t in (given.source, given.cast_input)
+            )
             source = source if source is not None else self._live_source(module, operand, data)
         else:
             found = self._cast_of(given.data)
@@ -491,8 +574,9 @@ class Observation(TorchDispatchMode):
         live = None if live is None else live.detach().float().reshape(-1, live.shape[-1])
         return live if live is not None and live.shape == data.shape else None
 
-    def _source(self, module: str, operand: str, data: Tensor, found: tuple[Cast, bool] | None,
-                turn: bool) -> tuple[Tensor | None, Tensor | None]:
+    def _source(
+        self, module: str, operand: str, data: Tensor, found: tuple[Cast, bool] | None, turn: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
         """(the high-precision tensor `data` was quantized from, the input of the cast that did it),
         both in the suite's orientation (`data`'s shape), None where not seen. The cast is the one
         whose output `data` is, or else one whose source is the module's own tensor for this
@@ -507,8 +591,10 @@ class Observation(TorchDispatchMode):
             cast, flip = by_source
         else:
             return (live if live is not None and live.shape == data.shape else None), None
-        as_data = [None if t is None else (lambda t2d: t2d.t() if flip else t2d)(t.float().reshape(-1, t.shape[-1]))
-                   for t in (cast.source, cast.cast_input)]
+        as_data = [
+            None if t is None else (lambda t2d: t2d.t() if flip else t2d)(t.float().reshape(-1, t.shape[-1]))
+            for t in (cast.source, cast.cast_input)
+        ]
         source = as_data[0] if as_data[0] is not None and as_data[0].shape == data.shape else live
         cast_input = as_data[1] if as_data[1] is not None and as_data[1].shape == data.shape else None
         return (source if source is not None and source.shape == data.shape else None), cast_input
@@ -535,7 +621,11 @@ class Observation(TorchDispatchMode):
             if not cast.consumed:
                 step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.output.numel()
         self.operands, self.casts, self._quantized = [], [], set()
-        self._scaled, self._clamped, self._links = WeakIdKeyDictionary(), WeakIdKeyDictionary(), WeakIdKeyDictionary()
+        self._scaled, self._clamped, self._links = (
+            WeakIdKeyDictionary(),
+            WeakIdKeyDictionary(),
+            WeakIdKeyDictionary(),
+        )
         return step
 
 
@@ -549,13 +639,19 @@ def describe_observation(steps: Sequence[StepObservation], model: torch.nn.Modul
         casts = sum(sum(step.unconsumed.values()) for step in steps)
         return f"observed: {casts:,} elements cast to 8-bit floats, no scaled GEMM seen" if casts else ""
     owners = dict.fromkeys(item.module for item in operands)
-    classes = dict.fromkeys(f"{type(modules[name]).__name__} ({type(modules[name]).__module__})"
-                            for name in owners if name in modules)
+    classes = dict.fromkeys(
+        f"{type(modules[name]).__name__} ({type(modules[name]).__module__})"
+        for name in owners
+        if name in modules
+    )
     texts: dict[str, dict[str, None]] = {}
     for item in operands:
         texts.setdefault(item.operand, {})[item.text] = None
-    recipe = ", ".join(f"{gemm} {' x '.join('|'.join(texts.get(f'{gemm}.{side}', {'-': None})) for side in 'ab')}"
-                       for gemm in GEMMS if f"{gemm}.a" in texts or f"{gemm}.b" in texts)
+    recipe = ", ".join(
+        f"{gemm} {' x '.join('|'.join(texts.get(f'{gemm}.{side}', {'-': None})) for side in 'ab')}"
+        for gemm in GEMMS
+        if f"{gemm}.a" in texts or f"{gemm}.b" in texts
+    )
     return f"observed: {', '.join(classes) or 'the model'} in {len(owners)} module(s); {recipe}"
 
 
@@ -566,8 +662,11 @@ def tag_nodes(outputs: Any, module: str, first_node: int) -> None:
     """Name `module` in the metadata of every autograd node its forward created (sequence number
     `first_node` or later) that an inner module has not named: in backward, the node being run
     says which module's GEMMs these are (`Observation._where`)."""
-    pending = [leaf.grad_fn for leaf in torch.utils._pytree.tree_leaves(outputs)
-               if isinstance(leaf, Tensor) and leaf.grad_fn is not None]
+    pending = [
+        leaf.grad_fn
+        for leaf in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(leaf, Tensor) and leaf.grad_fn is not None
+    ]
     seen: set[int] = set()
     while pending:
         node = pending.pop()
@@ -615,7 +714,9 @@ def unobserved() -> Iterator[None]:
     casts and products are not the model's and compiled code sees the same empty mode stack as on
     any other call."""
     with ExitStack() as popped:
-        while (stack := _get_current_dispatch_mode_stack()) and isinstance(stack[-1], (Observation, GemmArguments)):
+        while (stack := _get_current_dispatch_mode_stack()) and isinstance(
+            stack[-1], (Observation, GemmArguments)
+        ):
             popped.enter_context(_pop_mode_temporarily())
         yield
 

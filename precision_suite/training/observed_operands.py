@@ -21,8 +21,12 @@ from precision_suite.numerics.metrics import QuantStats, reconstruction_stats
 from precision_suite.numerics.quantization import round_by_bits
 
 # dtype name -> the suite's element format of the data; scale dtypes are described apart
-LOW_PRECISION = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float8_e4m3fnuz": "e4m3fnuz",
-                 "float8_e5m2fnuz": "e5m2fnuz"}
+LOW_PRECISION = {
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+    "float8_e4m3fnuz": "e4m3fnuz",
+    "float8_e5m2fnuz": "e5m2fnuz",
+}
 UNQUANTIZED = "fp32"  # an operand a GEMM of a quantized module took unquantized (recipes.HIGH_PRECISION)
 # the axis each operand reduces over in the suite's orientation: x (tokens, in) and W (out, in)
 # over `in` in fprop; dy (tokens, out) over `out` and W over `out` in dgrad; dy and x over tokens
@@ -69,7 +73,9 @@ class ObservedOperand:
     checked: int  # elements compared (0: the source was not found or the format is unknown)
     target: float = math.nan  # the scale's target (scale_target), NaN where not read
     shape: str = ""  # "RxC": the operand's rows x columns in the suite's orientation (blocks clip to it)
-    quantized_gemm: bool = True  # its GEMM took a quantized operand (False: an fp32 GEMM of a quantized module)
+    quantized_gemm: bool = (
+        True  # its GEMM took a quantized operand (False: an fp32 GEMM of a quantized module)
+    )
 
     @property
     def text(self) -> str:
@@ -82,8 +88,16 @@ def low_precision_format(dtype: torch.dtype) -> str | None:
     return LOW_PRECISION.get(str(dtype).removeprefix("torch."))
 
 
-def describe_operand(module: str, gemm: str, operand: str, data: Tensor, scaling: Scaling | None,
-                     source: Tensor | None, cast_input: Tensor | None, fast: bool | None) -> ObservedOperand:
+def describe_operand(
+    module: str,
+    gemm: str,
+    operand: str,
+    data: Tensor,
+    scaling: Scaling | None,
+    source: Tensor | None,
+    cast_input: Tensor | None,
+    fast: bool | None,
+) -> ObservedOperand:
     """One operand, in the suite's orientation: `data` the 8-bit values (a high-precision tensor
     where `scaling` is None: taken unquantized), `scaling` its scale over `data`, `source` the
     high-precision tensor it was quantized from and `cast_input` its cast's input (None: not
@@ -94,21 +108,32 @@ def describe_operand(module: str, gemm: str, operand: str, data: Tensor, scaling
     fmt = low_precision_format(data.dtype) or str(data.dtype).removeprefix("torch.")
     factor = _broadcast_factor(scaling.factor, data.shape)
     granularity = _granularity(scaling.factor, data.shape, factor)
-    block = "tensor" if granularity in ("tensor", "unknown") else \
-        f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
+    block = (
+        "tensor"
+        if granularity in ("tensor", "unknown")
+        else f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
+    )
     kind = _scale_kind(scaling.factor)
     q = data.float()
     if factor is None:
-        return ObservedOperand(module, gemm, operand, fmt, granularity, block, kind, fast, None, 0, 0, shape=shape)
+        return ObservedOperand(
+            module, gemm, operand, fmt, granularity, block, kind, fast, None, 0, 0, shape=shape
+        )
     dequantized = Scaling(scaling.op, factor).dequantized(q)
     stats, mismatched, checked = None, 0, 0
     scaled = Scaling(scaling.op, factor).scaled(source) if source is not None else None
     # where amax maps: the scaled source before any clamp, else the 8-bit values the GEMM took
-    target = scale_target(scaled if scaled is not None else q,
-                          scaling.factor.shape if scaling.factor.numel() > 1 else (1, 1), fmt, kind)
+    target = scale_target(
+        scaled if scaled is not None else q,
+        scaling.factor.shape if scaling.factor.numel() > 1 else (1, 1),
+        fmt,
+        kind,
+    )
     if scaled is not None:
         # the cast's own input, where the GEMM's scale agrees with the cast's: exact, no slack
-        exact = cast_input is not None and bool(((cast_input - scaled).abs() <= scaled.abs() * _SOURCE_SLACK).all())
+        exact = cast_input is not None and bool(
+            ((cast_input - scaled).abs() <= scaled.abs() * _SOURCE_SLACK).all()
+        )
         reference = cast_input if exact else scaled
         element = _element(fmt)
         threshold = element.overflow_threshold if element is not None else math.inf
@@ -116,8 +141,21 @@ def describe_operand(module: str, gemm: str, operand: str, data: Tensor, scaling
         if element is not None:
             slack = 0.0 if exact else _SOURCE_SLACK
             mismatched, checked = int(_unlike_nearest(q, reference, element, slack)), q.numel()
-    return ObservedOperand(module, gemm, operand, fmt, granularity, block, kind, fast, stats, mismatched, checked,
-                           target, shape=shape)
+    return ObservedOperand(
+        module,
+        gemm,
+        operand,
+        fmt,
+        granularity,
+        block,
+        kind,
+        fast,
+        stats,
+        mismatched,
+        checked,
+        target,
+        shape=shape,
+    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -146,7 +184,7 @@ def _broadcast_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
 
 
 def _granularity(factor: Tensor, shape: torch.Size, broadcast: Tensor | None) -> str:
-    """"tensor", "row" (one scale per row), "column", "RxC" blocks, or "unknown"."""
+    """ "tensor", "row" (one scale per row), "column", "RxC" blocks, or "unknown"."""
     if factor.numel() == 1:
         return "tensor"
     if broadcast is None:
@@ -160,8 +198,9 @@ def _granularity(factor: Tensor, shape: torch.Size, broadcast: Tensor | None) ->
     return f"{block[0]}x{block[1]}"
 
 
-def block_factor(factor: Tensor, shape_at: Sequence[int],
-                  chain: Sequence[Callable[[Tensor], Tensor]]) -> Tensor | None:
+def block_factor(
+    factor: Tensor, shape_at: Sequence[int], chain: Sequence[Callable[[Tensor], Tensor]]
+) -> Tensor | None:
     """The scale `factor`, broadcast over a tensor of shape `shape_at` and taken through `chain` to
     a 2-D operand, as one factor per block of that operand: shape (rows / r, cols / c). Which block
     an element belongs to is read from the factor's index, broadcast and replayed like the tensor,
@@ -172,7 +211,11 @@ def block_factor(factor: Tensor, shape_at: Sequence[int],
     if factor.numel() == 1:
         return factor.float().reshape(())
     expanded = factor.numel() == math.prod(shape_at)
-    key = factor.float() if expanded else torch.arange(factor.numel(), device=factor.device).reshape(factor.shape)
+    key = (
+        factor.float()
+        if expanded
+        else torch.arange(factor.numel(), device=factor.device).reshape(factor.shape)
+    )
     try:
         key = key.expand(tuple(shape_at))
         for step in chain:
@@ -214,7 +257,9 @@ def scale_target(scaled: Tensor, blocks: Sequence[int], fmt: str, scale_kind: st
     across, down = blocks
     if across == 0 or down == 0 or rows % across or cols % down:
         return math.nan
-    amax = scaled.detach().abs().reshape(across, rows // across, down, cols // down).amax(dim=(1, 3)).flatten()
+    amax = (
+        scaled.detach().abs().reshape(across, rows // across, down, cols // down).amax(dim=(1, 3)).flatten()
+    )
     amax = amax[torch.isfinite(amax) & (amax > 0)]
     if not amax.numel():
         return math.nan

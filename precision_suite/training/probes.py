@@ -26,6 +26,7 @@ from precision_suite.numerics.layouts import Layout, layout_label, layout_text, 
 
 TENSOR_ROLES = ("activation", "gradient", "gradient_transpose", "weight")
 
+
 def transpose_layout(layout: Layout) -> Layout:
     return layout if layout == "tensor" else (layout[1], layout[0])
 
@@ -88,8 +89,10 @@ def check_measurements(schemes: Sequence[Scheme]) -> tuple[Scheme, ...]:
     for scheme in schemes:
         for key in scheme.role_labels().items():
             if key in seen:
-                raise ValueError(f"{scheme.name!r} measures the {key[0]} under layout {key[1]!r}, "
-                                 f"which {seen[key]!r} already measures; drop it")
+                raise ValueError(
+                    f"{scheme.name!r} measures the {key[0]} under layout {key[1]!r}, "
+                    f"which {seen[key]!r} already measures; drop it"
+                )
             seen[key] = scheme.name
     return tuple(schemes)
 

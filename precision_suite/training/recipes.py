@@ -101,14 +101,18 @@ class Operand:
         # quantizer serves them with the graphs of the recorder's (detached) measurements
         x2d = x2d.detach()
         if self.rounding == "stochastic" and generator is None:
-            raise ValueError("stochastic rounding needs a generator: build the model's recipe with set_recipe")
+            raise ValueError(
+                "stochastic rounding needs a generator: build the model's recipe with set_recipe"
+            )
         with unobserved():  # the suite's emulation, not the model's own quantization
             if self.rounding == "nearest":
                 return quantize(x2d, self.fmt, self.layout).dequantized
             blocks = to_blocks(x2d.float(), self.layout)
             result = quantization.qdq_blocks(
-                blocks, get_format(self.fmt),
-                rounding=lambda y, element: quantization.stochastic_round(y, element, generator))
+                blocks,
+                get_format(self.fmt),
+                rounding=lambda y, element: quantization.stochastic_round(y, element, generator),
+            )
             return from_blocks(result.dequantized, *x2d.shape)
 
     def mismatches(self, live: Tensor, consumed: Tensor) -> Tensor:
@@ -166,8 +170,14 @@ def _grid_point(y: Tensor, element: ElementType, step: float) -> Tensor:
 
 
 # each GEMM operand of y = x W^T as the tensor role the probes measure it under (probes.py)
-OPERAND_ROLES = {"fprop.a": "activation", "fprop.b": "weight", "dgrad.a": "gradient", "dgrad.b": "weight",
-                 "wgrad.a": "gradient_transpose", "wgrad.b": "activation"}
+OPERAND_ROLES = {
+    "fprop.a": "activation",
+    "fprop.b": "weight",
+    "dgrad.a": "gradient",
+    "dgrad.b": "weight",
+    "wgrad.a": "gradient_transpose",
+    "wgrad.b": "activation",
+}
 GEMM_OPERANDS = tuple(OPERAND_ROLES)  # "fprop.a" ... "wgrad.b": the six operands of a linear layer
 
 
@@ -176,8 +186,14 @@ GEMM_OPERANDS = tuple(OPERAND_ROLES)  # "fprop.a" ... "wgrad.b": the six operand
 # GEMMs are turned into the suite's orientation by it
 REDUCTION_AXIS = CONTRACTION_AXIS
 # each operand as stored, and its GEMM's K in words, for messages
-_STORED = {"fprop.a": "x (tokens, in)", "fprop.b": "W (out, in)", "dgrad.a": "dy (tokens, out)",
-           "dgrad.b": "W (out, in)", "wgrad.a": "dy (tokens, out)", "wgrad.b": "x (tokens, in)"}
+_STORED = {
+    "fprop.a": "x (tokens, in)",
+    "fprop.b": "W (out, in)",
+    "dgrad.a": "dy (tokens, out)",
+    "dgrad.b": "W (out, in)",
+    "wgrad.a": "dy (tokens, out)",
+    "wgrad.b": "x (tokens, in)",
+}
 _K = {"fprop": "in features", "dgrad": "out features", "wgrad": "tokens"}
 
 
@@ -198,17 +214,25 @@ class Gemm:
         sum only where the block lies along K; per tensor, or a whole axis along K, is fine)."""
         for side, operand in (("a", self.a), ("b", self.b)):
             where, layout = f"{gemm}.{side}", operand.layout
-            if operand.fmt == HIGH_PRECISION or get_format(operand.fmt).scale_rule == "none" \
-                    or not isinstance(layout, tuple) or layout[REDUCTION_AXIS[where]] != 1:
+            if (
+                operand.fmt == HIGH_PRECISION
+                or get_format(operand.fmt).scale_rule == "none"
+                or not isinstance(layout, tuple)
+                or layout[REDUCTION_AXIS[where]] != 1
+            ):
                 continue
             turned = layout[::-1]
-            fix = f"a layout whose blocks run along K, such as {operand.fmt}:{layout_text(turned)}" \
-                if turned[REDUCTION_AXIS[where]] != 1 else "longer blocks along K, or tensor"
+            fix = (
+                f"a layout whose blocks run along K, such as {operand.fmt}:{layout_text(turned)}"
+                if turned[REDUCTION_AXIS[where]] != 1
+                else "longer blocks along K, or tensor"
+            )
             raise ValueError(
                 f"recipe {recipe!r} {gemm}: operand {side} {operand.text()} of {_STORED[where]} has scaling blocks "
                 f"one element long along axis {REDUCTION_AXIS[where]}, the GEMM's contraction axis "
                 f"({gemm} sums over {_K[gemm]}): its scale changes at every element of K, so no GEMM can factor "
-                f"it out of the dot product; use {fix}")
+                f"it out of the dot product; use {fix}"
+            )
 
     def check_accumulation(self, recipe: str, gemm: str) -> None:
         """ValueError naming the recipe and GEMM ("fprop", "dgrad", "wgrad") unless the
@@ -223,9 +247,12 @@ class Gemm:
                 raise ValueError(
                     f"{where} accumulates {mode}, but operand {side} is {operand.text()}: the Hopper tensor-core "
                     f"model takes FP8 operands (e4m3 or e5m2, FP32 scales) only; MX and NVFP4 GEMMs run on "
-                    f"Blackwell, whose accumulation is not modelled. Use accumulate = \"fp32\" for this GEMM")
+                    f'Blackwell, whose accumulation is not modelled. Use accumulate = "fp32" for this GEMM'
+                )
         if self.a.fmt == self.b.fmt == "e5m2":
-            raise ValueError(f"{where} accumulates {mode} on E5M2 x E5M2, which cuBLAS refuses: make one operand e4m3")
+            raise ValueError(
+                f"{where} accumulates {mode} on E5M2 x E5M2, which cuBLAS refuses: make one operand e4m3"
+            )
         for side, operand in (("a", self.a), ("b", self.b)):
             if not isinstance(operand.layout, tuple):  # one scale per tensor: constant along K
                 continue
@@ -234,12 +261,14 @@ class Gemm:
                 raise ValueError(
                     f"{where} accumulates hopper-fast (one tensor-core chain over all of K), but operand {side} "
                     f"{operand.text()} has scales that change along K, which no chain can apply: use per-tensor "
-                    "scales or hopper-promoted")
+                    "scales or hopper-promoted"
+                )
             if extent % self.accumulation.interval:
                 raise ValueError(
                     f"{where} promotes every {self.accumulation.interval} elements of K, but operand {side} "
                     f"{operand.text()} changes its scale every {extent}: each promoted chunk must lie within one "
-                    f"scale block along K (an interval dividing {extent})")
+                    f"scale block along K (an interval dividing {extent})"
+                )
 
 
 @dataclass(frozen=True)
@@ -256,11 +285,15 @@ class Recipe:
     def __post_init__(self) -> None:
         for gemm_name in ("fprop", "dgrad"):
             if getattr(self, gemm_name).hadamard:
-                raise ValueError(f"recipe {self.name!r}: a Hadamard transform on {gemm_name} would mix "
-                                 "features and needs its inverse in the layer; only wgrad (over tokens) takes one")
+                raise ValueError(
+                    f"recipe {self.name!r}: a Hadamard transform on {gemm_name} would mix "
+                    "features and needs its inverse in the layer; only wgrad (over tokens) takes one"
+                )
         size = self.wgrad.hadamard
         if size and (size < 2 or size & (size - 1)):
-            raise ValueError(f"recipe {self.name!r}: wgrad hadamard must be a power of two >= 2 (or 0), got {size}")
+            raise ValueError(
+                f"recipe {self.name!r}: wgrad hadamard must be a power of two >= 2 (or 0), got {size}"
+            )
         for gemm_name in ("fprop", "dgrad", "wgrad"):
             getattr(self, gemm_name).check_contraction(self.name, gemm_name)
             getattr(self, gemm_name).check_accumulation(self.name, gemm_name)
@@ -282,14 +315,18 @@ class Recipe:
         return (matrix @ padded.reshape(-1, n, t2d.shape[1])).reshape(-1, t2d.shape[1])
 
     def uses_stochastic_rounding(self) -> bool:
-        return any(op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b))
+        return any(
+            op.rounding == "stochastic" for g in (self.fprop, self.dgrad, self.wgrad) for op in (g.a, g.b)
+        )
 
     def operand(self, where: str) -> Operand:
         """The operand named `where` ("fprop.a", ..., "wgrad.b": GEMM_OPERANDS)."""
         gemm, side = where.split(".")
         return getattr(getattr(self, gemm), side)
 
-    def operands(self, in_features: int, out_features: int, tokens: int) -> list[tuple[str, Operand, tuple[int, int]]]:
+    def operands(
+        self, in_features: int, out_features: int, tokens: int
+    ) -> list[tuple[str, Operand, tuple[int, int]]]:
         """("fprop.a", operand, 2-D shape), ... for the six operands of a linear layer fed `tokens`
         rows, each shaped as the tensor role it is (probes.operand_shapes)."""
         shapes = operand_shapes(in_features, out_features, tokens)
@@ -299,40 +336,61 @@ class Recipe:
         """ValueError when a block is bigger than the operand it would cut."""
         for where, operand, shape in self.operands(in_features, out_features, tokens):
             layout = operand.layout
-            if operand.fmt != HIGH_PRECISION and layout != "tensor" and (layout[0] > shape[0] or layout[1] > shape[1]):
+            if (
+                operand.fmt != HIGH_PRECISION
+                and layout != "tensor"
+                and (layout[0] > shape[0] or layout[1] > shape[1])
+            ):
                 raise ValueError(
                     f"{what}: recipe {self.name!r} cuts the {where.split('.')[0]} operand {operand.text()} "
                     f"({shape[0]}x{shape[1]}) into {layout_text(layout)} blocks, bigger than the tensor; "
-                    f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout")
+                    f"use more tokens per step (now {tokens}) or a wider model, or a smaller layout"
+                )
 
-    def quantized_elements(self, in_features: int, out_features: int, tokens: int, checked: bool = False) -> int:
+    def quantized_elements(
+        self, in_features: int, out_features: int, tokens: int, checked: bool = False
+    ) -> int:
         """Elements one training step quantizes through `quantize` (the compilable path) in a
         linear layer fed `tokens` rows: not the stochastically rounded operands (always eager), nor
         a dgrad weight quantized as in fprop (reused, see QuantLinearFn.backward). `checked`: those
         the check of a sampled step's consumed operands quantizes afresh (`Operand.mismatches`),
         the reused weight too."""
         reused = self.dgrad.b == self.fprop.b and not checked
-        return sum(math.prod(shape) for where, operand, shape in self.operands(in_features, out_features, tokens)
-                   if operand.fmt != HIGH_PRECISION and operand.rounding == "nearest"
-                   and not (reused and where == "dgrad.b"))
+        return sum(
+            math.prod(shape)
+            for where, operand, shape in self.operands(in_features, out_features, tokens)
+            if operand.fmt != HIGH_PRECISION
+            and operand.rounding == "nearest"
+            and not (reused and where == "dgrad.b")
+        )
 
     def describe(self) -> dict[str, Any]:
         """Each GEMM's operands, Hadamard size and accumulation, as `recipes_from_toml` reads them."""
-        return {gemm: {"a": g.a.text(), "b": g.b.text(), "hadamard": g.hadamard, "accumulate": g.accumulation.text()}
-                for gemm, g in (("fprop", self.fprop), ("dgrad", self.dgrad), ("wgrad", self.wgrad))}
+        return {
+            gemm: {
+                "a": g.a.text(),
+                "b": g.b.text(),
+                "hadamard": g.hadamard,
+                "accumulate": g.accumulation.text(),
+            }
+            for gemm, g in (("fprop", self.fprop), ("dgrad", self.dgrad), ("wgrad", self.wgrad))
+        }
 
     @classmethod
     def from_scheme(cls, scheme: Scheme, source: str = "") -> Recipe:
         """The recipe of a measurement scheme: the backward GEMMs reduce over other dimensions, so
         they take the transposed layouts (dgrad W, wgrad dy and x: blocks of tokens)."""
+
         def op(layout: Layout) -> Operand:
             return Operand(scheme.fmt, layout)
 
-        return cls(scheme.name,
-                   fprop=Gemm(op(scheme.activation), op(scheme.weight)),
-                   dgrad=Gemm(op(scheme.gradient), op(transpose_layout(scheme.weight))),
-                   wgrad=Gemm(op(transpose_layout(scheme.gradient)), op(transpose_layout(scheme.activation))),
-                   source=source)
+        return cls(
+            scheme.name,
+            fprop=Gemm(op(scheme.activation), op(scheme.weight)),
+            dgrad=Gemm(op(scheme.gradient), op(transpose_layout(scheme.weight))),
+            wgrad=Gemm(op(transpose_layout(scheme.gradient)), op(transpose_layout(scheme.activation))),
+            source=source,
+        )
 
 
 def _nvfp4_training() -> Recipe:
@@ -343,56 +401,84 @@ def _nvfp4_training() -> Recipe:
         dgrad=Gemm(Operand("nvfp4", (1, 16), "stochastic"), weight),
         wgrad=Gemm(Operand("nvfp4", (16, 1), "stochastic"), Operand("nvfp4", (16, 1)), hadamard=16),
         source="NVIDIA, Pretraining Large Language Models with NVFP4 (arXiv 2509.25149), section 4: "
-               "16x16 2-D weight scaling, 16x16 random Hadamard transforms on the wgrad inputs, "
-               "stochastic rounding of gradients, round-to-nearest elsewhere; two-level scales "
-               "(E4M3 per 16 elements, FP32 per tensor)")
+        "16x16 2-D weight scaling, 16x16 random Hadamard transforms on the wgrad inputs, "
+        "stochastic rounding of gradients, round-to-nearest elsewhere; two-level scales "
+        "(E4M3 per 16 elements, FP32 per tensor)",
+    )
 
 
 def _fp8_hybrid() -> Recipe:
     forward, gradient = Operand("e4m3", "tensor"), Operand("e5m2", "tensor")
     return Recipe(
-        "fp8-hybrid", fprop=Gemm(forward, forward), dgrad=Gemm(gradient, forward), wgrad=Gemm(gradient, forward),
+        "fp8-hybrid",
+        fprop=Gemm(forward, forward),
+        dgrad=Gemm(gradient, forward),
+        wgrad=Gemm(gradient, forward),
         source="Micikevicius et al., FP8 Formats for Deep Learning (arXiv 2209.05433); Transformer "
-               "Engine's Format.HYBRID: E4M3 forward, E5M2 gradients, one scale per tensor (here the "
-               "current amax, not delayed scaling)")
+        "Engine's Format.HYBRID: E4M3 forward, E5M2 gradients, one scale per tensor (here the "
+        "current amax, not delayed scaling)",
+    )
 
 
 def _on_hopper(recipe: Recipe, name: str, fprop: str, backward: str, source: str) -> Recipe:
     """`recipe`'s operands with fprop accumulated as `fprop` and dgrad, wgrad as `backward`."""
     fast, slow = parse_accumulation(fprop), parse_accumulation(backward)
     return dataclasses.replace(
-        recipe, name=name, source=source,
+        recipe,
+        name=name,
+        source=source,
         fprop=dataclasses.replace(recipe.fprop, accumulation=fast),
         dgrad=dataclasses.replace(recipe.dgrad, accumulation=slow),
-        wgrad=dataclasses.replace(recipe.wgrad, accumulation=slow))
+        wgrad=dataclasses.replace(recipe.wgrad, accumulation=slow),
+    )
 
 
-_FP8_BLOCK = Recipe.from_scheme(get_scheme("fp8-block"),
-                                "DeepSeek-V3 (arXiv 2412.19437) section 3.3 / Ling 2.0: E4M3, 1x128 activation "
-                                "and gradient tiles, 128x128 weight blocks")
-NAMED_RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
-    _FP8_BLOCK,
-    _fp8_hybrid(),
-    Recipe.from_scheme(get_scheme("mxfp8"), "OCP Microscaling Formats (MX) v1.0: E4M3 elements, "
-                                            "E8M0 scale per 32 along the reduction"),
-    Recipe.from_scheme(get_scheme("nvfp4"), "NVFP4 blocks of 16 along the reduction, round to nearest, "
-                                            "no Hadamard transform (compare nvfp4-training)"),
-    _nvfp4_training(),
-    # The FP8 recipes as an H100 accumulates them (numerics/accumulation.py)
-    _on_hopper(_fp8_hybrid(), "fp8-hybrid-hopper", "hopper-fast", "hopper-promoted:128",
-               "fp8-hybrid's operands accumulated as Transformer Engine's Float8CurrentScaling recipe does by "
-               "default (transformer_engine/common/recipe: fp8_gemm_fprop use_split_accumulator=False, dgrad and "
-               "wgrad True; the module defaults _2X_ACC_FPROP/DGRAD/WGRAD of pytorch/module/base.py agree) and "
-               "as torchao's default float8 training does (torchao/float8/config.py, Float8LinearConfig: "
-               "tensorwise scales, E4M3 input and weight, E5M2 grad_output, gemm_config_output "
-               "use_fast_accum=True, grad_input and grad_weight False): fprop one fast tensor-core chain, dgrad "
-               "and wgrad promoted every 128 (cuBLAS's split accumulator)"),
-    _on_hopper(_FP8_BLOCK, "fp8-block-hopper", "hopper-promoted:128", "hopper-promoted:128",
-               "fp8-block's operands accumulated as DeepSeek-V3 trains (arXiv 2412.19437 section 3.3.2: "
-               "promotion to FP32 every N_C = 128 elements, each partial sum scaled by its block scales; DeepGEMM) "
-               "and as Transformer Engine's Float8BlockScaling recipe forces on all three GEMMs "
-               "(use_split_accumulator=True)"),
-)}
+_FP8_BLOCK = Recipe.from_scheme(
+    get_scheme("fp8-block"),
+    "DeepSeek-V3 (arXiv 2412.19437) section 3.3 / Ling 2.0: E4M3, 1x128 activation "
+    "and gradient tiles, 128x128 weight blocks",
+)
+NAMED_RECIPES: dict[str, Recipe] = {
+    recipe.name: recipe
+    for recipe in (
+        _FP8_BLOCK,
+        _fp8_hybrid(),
+        Recipe.from_scheme(
+            get_scheme("mxfp8"),
+            "OCP Microscaling Formats (MX) v1.0: E4M3 elements, E8M0 scale per 32 along the reduction",
+        ),
+        Recipe.from_scheme(
+            get_scheme("nvfp4"),
+            "NVFP4 blocks of 16 along the reduction, round to nearest, "
+            "no Hadamard transform (compare nvfp4-training)",
+        ),
+        _nvfp4_training(),
+        # The FP8 recipes as an H100 accumulates them (numerics/accumulation.py)
+        _on_hopper(
+            _fp8_hybrid(),
+            "fp8-hybrid-hopper",
+            "hopper-fast",
+            "hopper-promoted:128",
+            "fp8-hybrid's operands accumulated as Transformer Engine's Float8CurrentScaling recipe does by "
+            "default (transformer_engine/common/recipe: fp8_gemm_fprop use_split_accumulator=False, dgrad and "
+            "wgrad True; the module defaults _2X_ACC_FPROP/DGRAD/WGRAD of pytorch/module/base.py agree) and "
+            "as torchao's default float8 training does (torchao/float8/config.py, Float8LinearConfig: "
+            "tensorwise scales, E4M3 input and weight, E5M2 grad_output, gemm_config_output "
+            "use_fast_accum=True, grad_input and grad_weight False): fprop one fast tensor-core chain, dgrad "
+            "and wgrad promoted every 128 (cuBLAS's split accumulator)",
+        ),
+        _on_hopper(
+            _FP8_BLOCK,
+            "fp8-block-hopper",
+            "hopper-promoted:128",
+            "hopper-promoted:128",
+            "fp8-block's operands accumulated as DeepSeek-V3 trains (arXiv 2412.19437 section 3.3.2: "
+            "promotion to FP32 every N_C = 128 elements, each partial sum scaled by its block scales; DeepGEMM) "
+            "and as Transformer Engine's Float8BlockScaling recipe forces on all three GEMMs "
+            "(use_split_accumulator=True)",
+        ),
+    )
+}
 RECIPE_EXAMPLES = f"{', '.join(NAMED_RECIPES)}, bf16, or <format>:<layout> such as e4m3:tensor"
 
 
@@ -406,8 +492,10 @@ def get_recipe(name: str) -> Recipe:
     try:
         scheme = get_scheme("bf16:tensor" if name == "bf16" else name)
     except ValueError as error:
-        raise ValueError(f"unknown recipe {name!r}: use fp32, {RECIPE_EXAMPLES}, or declare it in a "
-                         f"[recipes.NAME] table of the config ({error})") from None
+        raise ValueError(
+            f"unknown recipe {name!r}: use fp32, {RECIPE_EXAMPLES}, or declare it in a "
+            f"[recipes.NAME] table of the config ({error})"
+        ) from None
     return Recipe.from_scheme(scheme)  # a scheme's layout that cannot be a recipe's says why
 
 
@@ -430,7 +518,9 @@ def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]
             raise ValueError(f"{context} must be a table")
         unknown = sorted(set(body) - {"source", "fprop", "dgrad", "wgrad"})
         if unknown:
-            raise ValueError(f"{context} has unknown key(s) {', '.join(unknown)}; allowed: source, fprop, dgrad, wgrad")
+            raise ValueError(
+                f"{context} has unknown key(s) {', '.join(unknown)}; allowed: source, fprop, dgrad, wgrad"
+            )
         try:
             gemms = {gemm: _gemm(body.get(gemm), f"{context} {gemm}") for gemm in ("fprop", "dgrad", "wgrad")}
             recipes[name] = Recipe(str(name), source=str(body.get("source", "")), **gemms)
@@ -443,8 +533,11 @@ def recipes_from_toml(table: Mapping[str, Any], where: str) -> dict[str, Recipe]
 
 def recipes_environment(recipes: Mapping[str, Recipe]) -> dict[str, str]:
     """Environment that makes ``recipes`` known to ``get_recipe`` in a worker process."""
-    return {RECIPES_ENV: json.dumps({name: {"source": r.source, **r.describe()} for name, r in recipes.items()})} \
-        if recipes else {}
+    return (
+        {RECIPES_ENV: json.dumps({name: {"source": r.source, **r.describe()} for name, r in recipes.items()})}
+        if recipes
+        else {}
+    )
 
 
 def _user_recipes() -> dict[str, Recipe]:
@@ -453,10 +546,15 @@ def _user_recipes() -> dict[str, Recipe]:
 
 
 def _gemm(value: Any, context: str) -> Gemm:
-    if (not isinstance(value, Mapping) or set(value) - {"a", "b", "hadamard", "accumulate"}
-            or not {"a", "b"} <= set(value)):
-        raise ValueError(f"{context} must be a table {{ a = \"<fmt>:<layout>[:stochastic]\", b = ..., "
-                         f"hadamard = 0, accumulate = \"fp32\" }}, got {value!r}")
+    if (
+        not isinstance(value, Mapping)
+        or set(value) - {"a", "b", "hadamard", "accumulate"}
+        or not {"a", "b"} <= set(value)
+    ):
+        raise ValueError(
+            f'{context} must be a table {{ a = "<fmt>:<layout>[:stochastic]", b = ..., '
+            f'hadamard = 0, accumulate = "fp32" }}, got {value!r}'
+        )
     hadamard = value.get("hadamard", 0)
     if not isinstance(hadamard, int) or isinstance(hadamard, bool) or hadamard < 0:
         raise ValueError(f"{context} hadamard must be a non-negative integer, got {hadamard!r}")
@@ -469,15 +567,16 @@ def _gemm(value: Any, context: str) -> Gemm:
 
 def _operand(text: Any) -> Operand:
     if not isinstance(text, str):
-        raise ValueError(f"an operand is written \"<fmt>:<layout>[:stochastic]\" or \"fp32\", got {text!r}")
+        raise ValueError(f'an operand is written "<fmt>:<layout>[:stochastic]" or "fp32", got {text!r}')
     parts = text.split(":")
     if parts[0] == HIGH_PRECISION and len(parts) == 1:
         return Operand(HIGH_PRECISION)
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ROUNDINGS):
-        raise ValueError(f"operand {text!r}: write \"<fmt>:<layout>\" (e4m3:1x128, nvfp4:16x16, e5m2:tensor), "
-                         "optionally \":stochastic\", or \"fp32\"")
+        raise ValueError(
+            f'operand {text!r}: write "<fmt>:<layout>" (e4m3:1x128, nvfp4:16x16, e5m2:tensor), '
+            'optionally ":stochastic", or "fp32"'
+        )
     return Operand(parts[0], parts[1], parts[2] if len(parts) == 3 else "nearest")
-
 
 
 # (layer, operand name such as "fprop.b", live tensor, consumed tensor, declared operand)
@@ -500,7 +599,9 @@ def _observe(layer: nn.Module | None, recipe: Recipe, *operands: tuple[str, Tens
 
 
 # (layer, recipe, GEMM name, (live, consumed) of a, of b, the GEMM's float32 result)
-GemmObserver = Callable[[nn.Module | None, Recipe, str, tuple[Tensor, Tensor], tuple[Tensor, Tensor], Tensor], None]
+GemmObserver = Callable[
+    [nn.Module | None, Recipe, str, tuple[Tensor, Tensor], tuple[Tensor, Tensor], Tensor], None
+]
 _gemm_observers: list[GemmObserver] = []
 
 
@@ -517,18 +618,30 @@ _TRANSPOSED = {"fprop": (False, True), "dgrad": (False, False), "wgrad": (True, 
 Consumed = tuple[Tensor, Tensor]  # (live tensor, what the GEMM consumed), as stored
 
 
-def emulated_gemm(recipe: Recipe, gemm: str, a: Consumed, b: Consumed,
-                  accumulation: Accumulation | None = None) -> Tensor:
+def emulated_gemm(
+    recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulation: Accumulation | None = None
+) -> Tensor:
     """GEMM `gemm` ("fprop": x W^T, "dgrad": dy W, "wgrad": dy^T x) of `recipe` from its consumed
     FP8 operands, accumulated as `accumulation` says (default: the recipe's; numerics/accumulation.py)."""
     accumulation = accumulation or getattr(recipe, gemm).accumulation
     with unobserved():  # the suite's emulation (its casts to FP8 codes), not the model's own quantization
-        return scaled_gemm(*_oriented_factors(recipe, gemm, a, b), accumulation.mode, accumulation.interval,
-                           elements=_elements(recipe, gemm))
+        return scaled_gemm(
+            *_oriented_factors(recipe, gemm, a, b),
+            accumulation.mode,
+            accumulation.interval,
+            elements=_elements(recipe, gemm),
+        )
 
 
-def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumulations: Sequence[Accumulation],
-                    computed: Mapping[Accumulation, Tensor] | None = None, sampled: bool = False) -> list[Tensor | None]:
+def gemm_error_sums(
+    recipe: Recipe,
+    gemm: str,
+    a: Consumed,
+    b: Consumed,
+    accumulations: Sequence[Accumulation],
+    computed: Mapping[Accumulation, Tensor] | None = None,
+    sampled: bool = False,
+) -> list[Tensor | None]:
     """`accumulation_error_sums` of GEMM `gemm` of `recipe` under each of `accumulations`: how far
     it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands);
     None for a hopper mode the hardware cannot run with the operands' scales (`runs_on`).
@@ -538,13 +651,19 @@ def gemm_error_sums(recipe: Recipe, gemm: str, a: Consumed, b: Consumed, accumul
     sums: dict[Accumulation, Tensor | None] = {}
     if fp32 in accumulations:
         transpose_a, transpose_b = _TRANSPOSED[gemm]
-        sums[fp32] = accumulation_error_sums(_orient(a[1].detach(), transpose_a), _orient(b[1].detach(), transpose_b),
-                                             1.0, 1.0, "fp32")
+        sums[fp32] = accumulation_error_sums(
+            _orient(a[1].detach(), transpose_a), _orient(b[1].detach(), transpose_b), 1.0, 1.0, "fp32"
+        )
     hopper = list(dict.fromkeys(accumulation for accumulation in accumulations if accumulation.hopper))
     if hopper:
         with unobserved():  # the suite's emulation (its casts to FP8 codes), not the model's own quantization
-            measured = error_sums_by_mode(*_oriented_factors(recipe, gemm, a, b), hopper,
-                                          elements=_elements(recipe, gemm), computed=computed, sampled=sampled)
+            measured = error_sums_by_mode(
+                *_oriented_factors(recipe, gemm, a, b),
+                hopper,
+                elements=_elements(recipe, gemm),
+                computed=computed,
+                sampled=sampled,
+            )
         sums.update(zip(hopper, measured))
     return [sums[accumulation if accumulation.hopper else fp32] for accumulation in accumulations]
 
@@ -558,13 +677,19 @@ def _orient(x: Tensor, transpose: bool) -> Tensor:
     return x.mT if transpose else x
 
 
-def _oriented_factors(recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _oriented_factors(
+    recipe: Recipe, gemm: str, a: Consumed, b: Consumed
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(elements of a, elements of b, scales of a, scales of b), a as (M, K) and b as (K, N)."""
     declared = getattr(recipe, gemm)
     (elements_a, scales_a), (elements_b, scales_b) = declared.a.factors(*a), declared.b.factors(*b)
     transpose_a, transpose_b = _TRANSPOSED[gemm]
-    return (_orient(elements_a, transpose_a), _orient(elements_b, transpose_b),
-            _orient(scales_a, transpose_a), _orient(scales_b, transpose_b))
+    return (
+        _orient(elements_a, transpose_a),
+        _orient(elements_b, transpose_b),
+        _orient(scales_a, transpose_a),
+        _orient(scales_b, transpose_b),
+    )
 
 
 def _emulated(layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed, b: Consumed) -> Tensor:
@@ -588,8 +713,14 @@ def _emulates(recipe: Recipe | None, gemm: str) -> bool:
     return recipe is not None and getattr(recipe, gemm).accumulation.hopper
 
 
-def _product(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Consumed, b: Consumed,
-             bias: Tensor | None = None) -> Tensor:
+def _product(
+    layer: nn.Module | None,
+    recipe: Recipe | None,
+    gemm: str,
+    a: Consumed,
+    b: Consumed,
+    bias: Tensor | None = None,
+) -> Tensor:
     """GEMM `gemm` of a layer from its consumed operands (+ bias): emulated where the recipe's
     accumulation says, else torch's float32 product (addmm with a bias, as F.linear computes)."""
     if _emulates(recipe, gemm):
@@ -600,8 +731,14 @@ def _product(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Consu
     return a_used @ b_used if bias is None else torch.addmm(bias, a_used, b_used)
 
 
-def _layer_gemm(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Consumed, b: Consumed,
-                bias: Tensor | None = None) -> Tensor:
+def _layer_gemm(
+    layer: nn.Module | None,
+    recipe: Recipe | None,
+    gemm: str,
+    a: Consumed,
+    b: Consumed,
+    bias: Tensor | None = None,
+) -> Tensor:
     """`_product`; on a sampled step (operand observers installed) the observers are handed, beside
     each live tensor, what the GEMM's matrix products themselves received (`GemmArguments`), not
     what the quantizer returned: a product of another tensor is a mismatch. One that ran none the
@@ -613,7 +750,10 @@ def _layer_gemm(layer: nn.Module | None, recipe: Recipe | None, gemm: str, a: Co
     transpose_a, transpose_b = _TRANSPOSED[gemm]
     reported = []
     for call_a, call_b in received.calls or [(a[1].new_empty(0, 0), b[1].new_empty(0, 0))]:
-        reported += [(f"{gemm}.a", a[0], _orient(call_a, transpose_a)), (f"{gemm}.b", b[0], _orient(call_b, transpose_b))]
+        reported += [
+            (f"{gemm}.a", a[0], _orient(call_a, transpose_a)),
+            (f"{gemm}.b", b[0], _orient(call_b, transpose_b)),
+        ]
     _observe(layer, recipe, *reported)
     return out
 
@@ -623,8 +763,15 @@ class QuantLinearFn(torch.autograd.Function):
     `layer`: the module it runs for, named to operand observers."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: Recipe | None,
-                generator: torch.Generator | None = None, layer: nn.Module | None = None):
+    def forward(
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        recipe: Recipe | None,
+        generator: torch.Generator | None = None,
+        layer: nn.Module | None = None,
+    ):
         x2d = x.reshape(-1, x.shape[-1])
         if recipe is not None:
             x_used = recipe.fprop.a.apply(x2d, generator)
@@ -647,7 +794,9 @@ class QuantLinearFn(torch.autograd.Function):
         dy_rows, x_rows = dy, x2d  # wgrad's operands before quantization
         if recipe is not None:
             dy_dgrad = recipe.dgrad.a.apply(dy, generator)
-            weight_dgrad = weight_used if recipe.dgrad.b == recipe.fprop.b else recipe.dgrad.b.apply(weight, generator)
+            weight_dgrad = (
+                weight_used if recipe.dgrad.b == recipe.fprop.b else recipe.dgrad.b.apply(weight, generator)
+            )
             if recipe.wgrad.hadamard:
                 matrix = recipe.hadamard_matrix(dy.device)
                 dy_rows, x_rows = recipe.rotate_tokens(dy, matrix), recipe.rotate_tokens(x2d, matrix)
@@ -656,7 +805,9 @@ class QuantLinearFn(torch.autograd.Function):
         else:
             dy_dgrad = dy_wgrad = dy
             weight_dgrad, x_wgrad = weight, x2d
-        grad_x = _layer_gemm(ctx.layer, recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).reshape(ctx.x_shape)
+        grad_x = _layer_gemm(ctx.layer, recipe, "dgrad", (dy, dy_dgrad), (weight, weight_dgrad)).reshape(
+            ctx.x_shape
+        )
         grad_weight = _layer_gemm(ctx.layer, recipe, "wgrad", (dy_rows, dy_wgrad), (x_rows, x_wgrad))
         grad_bias = dy.sum(dim=0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None, None, None
@@ -712,9 +863,11 @@ def own_quantization(model: nn.Module) -> list[str]:
     "name (Class from module)". A recipe on such a model would silently replace their numerics."""
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         return []
-    return [f"{name} is a {type(module).__name__} ({type(module).__module__})"
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
+    return [
+        f"{name} is a {type(module).__name__} ({type(module).__module__})"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+    ]
 
 
 def layer_recipe(module: nn.Module) -> Recipe | None:
@@ -727,5 +880,7 @@ def layer_recipe(module: nn.Module) -> Recipe | None:
     return None
 
 
-def _recipe_forward(module: nn.Linear, recipe: Recipe, generator: torch.Generator | None, x: Tensor) -> Tensor:
+def _recipe_forward(
+    module: nn.Linear, recipe: Recipe, generator: torch.Generator | None, x: Tensor
+) -> Tensor:
     return QuantLinearFn.apply(x, module.weight, module.bias, recipe, generator, module)

@@ -138,9 +138,15 @@ def weight_reader(module: nn.Module) -> WeightReader | None:
     return None
 
 
-def instrument(model: nn.Module, *, modules: str | re.Pattern | Sequence[str | re.Pattern] | None = None,
-               schemes: Sequence[str | Scheme] = ("fp8-block",), attention: str | None = "auto",
-               sample_every: int = 1, observe: bool = True) -> Recorder:
+def instrument(
+    model: nn.Module,
+    *,
+    modules: str | re.Pattern | Sequence[str | re.Pattern] | None = None,
+    schemes: Sequence[str | Scheme] = ("fp8-block",),
+    attention: str | None = "auto",
+    sample_every: int = 1,
+    observe: bool = True,
+) -> Recorder:
     """A recorder of ``model``'s GEMM operands and attention norms (see the module docstring).
 
     modules: fully qualified module names to measure: globs (``"*.mlp.*"``) or compiled regular
@@ -157,8 +163,15 @@ def instrument(model: nn.Module, *, modules: str | re.Pattern | Sequence[str | r
 class Recorder:
     """What ``instrument`` returns; see the module docstring."""
 
-    def __init__(self, model: nn.Module, modules: Any, schemes: Sequence[str | Scheme],
-                 attention: str | None, sample_every: int, observe: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Any,
+        schemes: Sequence[str | Scheme],
+        attention: str | None,
+        sample_every: int,
+        observe: bool = True,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"instrument: model must be an nn.Module, got {type(model).__name__}")
         if attention not in ATTENTION_MODES:
@@ -173,10 +186,14 @@ class Recorder:
         self._observed_module = _module_filter(modules)
         self.names = {id(module): name for name, module in model.named_modules()}
         self._gemm_names = {id(module): name for name, (module, _) in self.gemms.items()}
-        self.taps = [(name, module) for name, module in model.named_modules() if hasattr(module, "attention_tap")]
+        self.taps = [
+            (name, module) for name, module in model.named_modules() if hasattr(module, "attention_tap")
+        ]
         # per scheme, role -> (layout label, layout): worked out once, not per tensor
-        self._measured = [(s.fmt, {role: (s.role_labels()[role], layout) for role, layout in s.role_layouts().items()})
-                          for s in self.schemes]
+        self._measured = [
+            (s.fmt, {role: (s.role_labels()[role], layout) for role, layout in s.role_layouts().items()})
+            for s in self.schemes
+        ]
         self.labels = list(dict.fromkeys(label for s in self.schemes for label in s.role_labels().values()))
         self.steps: list[int] = []
         self._sums: list[dict[tuple[str, str, str], QuantStats]] = []
@@ -212,11 +229,21 @@ class Recorder:
         operands: dict[tuple[str, str], tuple[Tensor, int]] = {}
         accumulation: dict[tuple[str, str], _GemmErrors] = {}
         self._attach(sums, attention, intercepted, operands, accumulation)
-        observation = Observation(self._module_now, self._live, self._observed_module,
-                                  functools.partial(self._observed_gemm, accumulation)) if self.observe else None
+        observation = (
+            Observation(
+                self._module_now,
+                self._live,
+                self._observed_module,
+                functools.partial(self._observed_gemm, accumulation),
+            )
+            if self.observe
+            else None
+        )
         try:
-            with _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext(), \
-                    observation if observation is not None else nullcontext():
+            with (
+                _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext(),
+                observation if observation is not None else nullcontext(),
+            ):
                 yield True
         finally:
             self._detach()
@@ -243,13 +270,17 @@ class Recorder:
         if not self._sampling:
             return
         name = self.names.get(id(module)) if isinstance(module, nn.Module) else module
-        self._add_attention(self._current_attention, name if name is not None else self._module_now(), attention)
+        self._add_attention(
+            self._current_attention, name if name is not None else self._module_now(), attention
+        )
 
     def _add_attention(self, into: dict[str, list[float]], name: str, attention: Tensor) -> None:
         into[name].append(_attention_norm(attention))
         self.tokens = max(self.tokens, attention.shape[-1])
 
-    def _attach(self, sums: dict, attention: dict, intercepted: dict, operands: dict, accumulation: dict) -> None:
+    def _attach(
+        self, sums: dict, attention: dict, intercepted: dict, operands: dict, accumulation: dict
+    ) -> None:
         self._current_attention = attention
         stop_operands = add_operand_observer(functools.partial(self._check_operand, operands))
         stop_gemms = add_gemm_observer(functools.partial(self._emulated_gemm, accumulation))
@@ -262,13 +293,16 @@ class Recorder:
         for name, (module, read_weight) in self.gemms.items():
             self._handles.append(module.register_forward_hook(self._gemm_hook(name, read_weight, sums)))
             if self.observe:  # the sources the observation checks the module's own GEMM operands against
-                self._handles.append(module.register_forward_pre_hook(functools.partial(self._keep_live, name,
-                                                                                        read_weight)))
+                self._handles.append(
+                    module.register_forward_pre_hook(functools.partial(self._keep_live, name, read_weight))
+                )
         for name, module in self.taps:
             module.attention_tap = lambda a, name=name: self._add_attention(attention, name, a)
         if self.attention == "auto" or self.observe:
             for name, module in self.model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(lambda *_, name=name: self._enter(name)))
+                self._handles.append(
+                    module.register_forward_pre_hook(lambda *_, name=name: self._enter(name))
+                )
                 self._handles.append(module.register_forward_hook(lambda _, __, output: self._leave(output)))
         self._sampling = True
 
@@ -295,8 +329,15 @@ class Recorder:
             module.attention_tap = None
         self._handles, self._stack, self._sampling = [], [], False
 
-    def _check_operand(self, into: dict, layer: nn.Module | None, where: str, live: Tensor, consumed: Tensor,
-                       operand: Operand) -> None:
+    def _check_operand(
+        self,
+        into: dict,
+        layer: nn.Module | None,
+        where: str,
+        live: Tensor,
+        consumed: Tensor,
+        operand: Operand,
+    ) -> None:
         name = self._gemm_names.get(id(layer))
         if name is None:  # not a selected module
             return
@@ -304,10 +345,21 @@ class Recorder:
             count = operand.mismatches(live, consumed)
         self._declared[where][operand.text()] = None
         mismatched, numel = into.get((name, where), (0, 0))  # a module called twice in a step: counts add
-        into[name, where] = (mismatched + count, numel + max(consumed.numel(), live.numel()))  # as mismatches counts
+        into[name, where] = (
+            mismatched + count,
+            numel + max(consumed.numel(), live.numel()),
+        )  # as mismatches counts
 
-    def _emulated_gemm(self, into: dict, layer: nn.Module | None, recipe: Recipe, gemm: str, a: Consumed,
-                       b: Consumed, out: Tensor) -> None:
+    def _emulated_gemm(
+        self,
+        into: dict,
+        layer: nn.Module | None,
+        recipe: Recipe,
+        gemm: str,
+        a: Consumed,
+        b: Consumed,
+        out: Tensor,
+    ) -> None:
         """The accumulation error of a recipe's GEMM that ran as the H100 accumulates (`out`, its
         result, is reused), and what the WHAT_IF modes would give on the same operands."""
         name = self._gemm_names.get(id(layer))
@@ -315,7 +367,9 @@ class Recorder:
             return
         declared = getattr(recipe, gemm).accumulation
         with _outside_capture():
-            errors = gemm_error_sums(recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out}, sampled=True)
+            errors = gemm_error_sums(
+                recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out}, sampled=True
+            )
         _add_errors(into, name, gemm, declared, reduction_length(gemm, a), errors)
 
     def _observed_gemm(self, into: dict, call: GemmCall) -> None:
@@ -325,11 +379,19 @@ class Recorder:
         scales = _gemm_scales(call)
         if scales is None or not set(elements) <= set(HOPPER_ELEMENTS) or elements == ("e5m2", "e5m2"):
             return  # no tensor-core model for it (fnuz elements, MX scales, E5M2 x E5M2)
-        as_run = None if call.fast_accumulation is None else \
-            Accumulation("hopper-fast" if call.fast_accumulation else "hopper-promoted")
+        as_run = (
+            None
+            if call.fast_accumulation is None
+            else Accumulation("hopper-fast" if call.fast_accumulation else "hopper-promoted")
+        )
         with _outside_capture():
-            errors = error_sums_by_mode(call.a.detach(), call.b.detach(), *scales,
-                                        [as_run, *WHAT_IF] if as_run is not None else WHAT_IF, sampled=True)
+            errors = error_sums_by_mode(
+                call.a.detach(),
+                call.b.detach(),
+                *scales,
+                [as_run, *WHAT_IF] if as_run is not None else WHAT_IF,
+                sampled=True,
+            )
         errors = errors if as_run is not None else [None, *errors]
         _add_errors(into, call.module, call.gemm, as_run, call.a.shape[1], errors)
 
@@ -351,8 +413,10 @@ class Recorder:
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
-                raise TypeError(f"instrument: {name} ({type(module).__name__}) must be called with the input "
-                                "tensor as its first argument and return a tensor; exclude it with modules=")
+                raise TypeError(
+                    f"instrument: {name} ({type(module).__name__}) must be called with the input "
+                    "tensor as its first argument and return a tensor; exclude it with modules="
+                )
             add("activation", args[0].reshape(-1, args[0].shape[-1]))
             add("weight", read_weight(module))
             if output.requires_grad:
@@ -377,7 +441,9 @@ class Recorder:
         total = checked = 0
         for module, read_weight in self.gemms.values():
             out_features, in_features = read_weight(module).shape
-            total += sum(math.prod(shape) for shape in operand_shapes(in_features, out_features, tokens).values())
+            total += sum(
+                math.prod(shape) for shape in operand_shapes(in_features, out_features, tokens).values()
+            )
             recipe = layer_recipe(module)
             if recipe is not None:
                 checked += recipe.quantized_elements(in_features, out_features, tokens, checked=True)
@@ -389,15 +455,18 @@ class Recorder:
         and the per-layer metrics derived from them where module names carry a block index.
         Attribute ``N`` is the attention matrices' size unless ``attrs`` sets it."""
         if not self.steps:
-            raise ValueError("Recorder.dataset: no sampled step was recorded; wrap forward and backward "
-                             "in `with rec.step(i):` with i % sample_every == 0")
+            raise ValueError(
+                "Recorder.dataset: no sampled step was recorded; wrap forward and backward "
+                "in `with rec.step(i):` with i % sample_every == 0"
+            )
         attention_modules = list(dict.fromkeys(name for step in self._attention for name in step))
         if self.attention == "auto" and not attention_modules:
             raise ValueError(
                 "instrument(attention='auto') recorded no attention matrix: the model has no "
                 "`attention_tap`, calls no F.scaled_dot_product_attention and no softmax over square "
                 "(..., N, N) scores on sampled steps. Pass attention=None to record GEMMs only, or call "
-                "rec.record_attention(phi_S) from a custom kernel")
+                "rec.record_attention(phi_S) from a custom kernel"
+            )
         # the measured GEMM modules, then modules whose own quantization was observed elsewhere
         observed_modules = [item.module for step in self._observed for item in step.operands]
         observed_modules += [module for step in self._observed for module in step.unconsumed]
@@ -423,9 +492,21 @@ class Recorder:
         accumulation = self._accumulation_steps(where) if any(self._accumulation) else None
         # the suite's recipe each module trained with (the observed-only modules had none)
         recipes = [layer_recipe(self.gemms[name][0]) if name in self.gemms else None for name in modules]
-        return run_dataset(self.steps, modules, self.labels, sums, attention_modules, norms, first_labels, case, attrs,
-                           operands=self._operand_counts(where), observed=observed, accumulation=accumulation,
-                           recipes=recipes)
+        return run_dataset(
+            self.steps,
+            modules,
+            self.labels,
+            sums,
+            attention_modules,
+            norms,
+            first_labels,
+            case,
+            attrs,
+            operands=self._operand_counts(where),
+            observed=observed,
+            accumulation=accumulation,
+            recipes=recipes,
+        )
 
     def _accumulation_steps(self, where: Mapping[str, int]) -> AccumulationSteps:
         shape = (len(self.steps), len(where), len(GEMMS))
@@ -502,8 +583,14 @@ class _GemmErrors:
         self.sums = np.zeros((len(ACCUMULATIONS), len(ERROR_FIELDS)))
 
 
-def _add_errors(into: dict[tuple[str, str], _GemmErrors], module: str, gemm: str, as_run: Accumulation | None,
-                k: int, errors: Sequence[Tensor | None]) -> None:
+def _add_errors(
+    into: dict[tuple[str, str], _GemmErrors],
+    module: str,
+    gemm: str,
+    as_run: Accumulation | None,
+    k: int,
+    errors: Sequence[Tensor | None],
+) -> None:
     """Add one GEMM call's sums (as it ran, then each WHAT_IF mode; None: not measured)."""
     cell = into.setdefault((module, gemm), _GemmErrors())
     if as_run is not None:
@@ -522,8 +609,11 @@ def _gemm_scales(call: GemmCall) -> tuple[Tensor, Tensor] | None:
     for scale, shape in ((call.scale_a, (m, k)), (call.scale_b, (k, n))):
         scale = scale.detach().float()
         scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
-        if scale.dim() != 2 or any(d not in (1, full) for d, full in zip(scale.shape, shape)) \
-                or not bool(((scale > 0) & scale.isfinite()).all()):
+        if (
+            scale.dim() != 2
+            or any(d not in (1, full) for d, full in zip(scale.shape, shape))
+            or not bool(((scale > 0) & scale.isfinite()).all())
+        ):
             return None
         scales.append(scale)
     return scales[0], scales[1]
@@ -540,18 +630,24 @@ def _module_filter(patterns: Any) -> Callable[[str], bool]:
     if patterns is None:
         return lambda name: True
     listed = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns)
-    return lambda name: any(p.fullmatch(name) if isinstance(p, re.Pattern) else fnmatch.fnmatchcase(name, p)
-                            for p in listed)
+    return lambda name: any(
+        p.fullmatch(name) if isinstance(p, re.Pattern) else fnmatch.fnmatchcase(name, p) for p in listed
+    )
 
 
 def _select_gemms(model: nn.Module, patterns: Any) -> dict[str, tuple[nn.Module, WeightReader]]:
-    linear_like = {name: (module, reader) for name, module in model.named_modules()
-                   if (reader := weight_reader(module)) is not None}
+    linear_like = {
+        name: (module, reader)
+        for name, module in model.named_modules()
+        if (reader := weight_reader(module)) is not None
+    }
     if not linear_like:
         kinds = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"instrument: {type(model).__name__} has no linear-like module (searched "
-                         f"{len(kinds)} module types: {', '.join(kinds[:12])}); register yours with "
-                         "precision_suite.register_linear(cls, weight=...)")
+        raise ValueError(
+            f"instrument: {type(model).__name__} has no linear-like module (searched "
+            f"{len(kinds)} module types: {', '.join(kinds[:12])}); register yours with "
+            "precision_suite.register_linear(cls, weight=...)"
+        )
     if patterns is None:
         return linear_like
     if isinstance(patterns, (str, re.Pattern)):
@@ -566,8 +662,10 @@ def _select_gemms(model: nn.Module, patterns: Any) -> dict[str, tuple[nn.Module,
             raise TypeError(f"instrument: modules= takes globs or compiled regexes, got {pattern!r}")
         if not hits:
             shown = ", ".join(list(linear_like)[:8]) + (", ..." if len(linear_like) > 8 else "")
-            raise ValueError(f"instrument: modules pattern {getattr(pattern, 'pattern', pattern)!r} matches "
-                             f"none of the {len(linear_like)} linear-like modules ({shown})")
+            raise ValueError(
+                f"instrument: modules pattern {getattr(pattern, 'pattern', pattern)!r} matches "
+                f"none of the {len(linear_like)} linear-like modules ({shown})"
+            )
         selected.update({name: linear_like[name] for name in hits})
     return {name: selected[name] for name in linear_like if name in selected}  # model order
 
@@ -578,9 +676,16 @@ def _attention_norm(attention: Tensor) -> float:
         return float(torch.linalg.matrix_norm(attention.detach().float(), ord="fro").mean())
 
 
-def _sdpa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                    enable_gqa: bool = False) -> Tensor:
+def _sdpa_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
     """softmax(Q K^T * scale + mask): the matrix F.scaled_dot_product_attention applies (same
     signature); grouped-query keys are repeated to the query heads as the kernel does."""
     q, k = query.detach().float(), key.detach().float()
@@ -592,8 +697,11 @@ def _sdpa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor
         visible = torch.ones(n_query, n_key, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
             else scores + attn_mask.float()
+        )
     return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
 
 
@@ -612,8 +720,13 @@ class _AttentionCapture(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             self._record(_sdpa_attention(*args, **kwargs))
-        elif func in _SOFTMAXES and isinstance(out, Tensor) and out.ndim >= 3 \
-                and out.shape[-1] == out.shape[-2] and _softmax_dim(args, kwargs) in (-1, out.ndim - 1):
+        elif (
+            func in _SOFTMAXES
+            and isinstance(out, Tensor)
+            and out.ndim >= 3
+            and out.shape[-1] == out.shape[-2]
+            and _softmax_dim(args, kwargs) in (-1, out.ndim - 1)
+        ):
             self._record(out)
         return out
 
@@ -640,4 +753,3 @@ def _outside_capture() -> Iterator[None]:
 
 def _mode_stack() -> list[Any]:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
-

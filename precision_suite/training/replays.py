@@ -70,8 +70,10 @@ def run_keeping_state(spec: RunSpec) -> xr.Dataset:
     (`split_state` takes it apart)."""
     start = replay_start(spec)
     if start is None:
-        raise ValueError(f"{spec.model} runs of {spec.steps} steps keep no replay state "
-                         f"(a built-in model and more than {REPLAY_STEPS} steps are needed)")
+        raise ValueError(
+            f"{spec.model} runs of {spec.steps} steps keep no replay state "
+            f"(a built-in model and more than {REPLAY_STEPS} steps are needed)"
+        )
     kept: dict[str, Any] = {}
 
     def keep(trainer: Trainer, step: int) -> None:
@@ -121,14 +123,17 @@ def replay(spec: RunSpec, state: xr.Dataset, start: int | None = None) -> xr.Dat
     `start`: the step the state was kept before (`keep_state`); None: a stored baseline's state,
     kept before `replay_start(spec)` (a state of another step or model asks for regeneration)."""
     if not has_state(state):
-        raise ValueError("replay: the dataset holds no training state (state_weight_change); "
-                         "regenerate the baseline to store one")
+        raise ValueError(
+            "replay: the dataset holds no training state (state_weight_change); "
+            "regenerate the baseline to store one"
+        )
     kept = state_start(state)
     expected = replay_start(spec) if start is None else _check_start(spec, start)
     hint = "; regenerate the baseline" if start is None else ""
     if kept != expected:
-        raise ValueError(f"replay: the state was kept before step {kept}, but this spec replays "
-                         f"from step {expected}{hint}")
+        raise ValueError(
+            f"replay: the state was kept before step {kept}, but this spec replays from step {expected}{hint}"
+        )
     with seeded(spec) as device:
         trainer = Trainer(spec, device)  # the seeded initial weights W_0 (and the recipe's generators)
         _load_state(trainer, state, hint)
@@ -144,8 +149,9 @@ def replay(spec: RunSpec, state: xr.Dataset, start: int | None = None) -> xr.Dat
 
 def _check_start(spec: RunSpec, start: int) -> int:
     if not 0 < start < spec.steps:
-        raise ValueError(f"a state is kept before one of the run's steps 1 to {spec.steps - 1}, "
-                         f"not before step {start}")
+        raise ValueError(
+            f"a state is kept before one of the run's steps 1 to {spec.steps - 1}, not before step {start}"
+        )
     return start
 
 
@@ -156,7 +162,9 @@ def _weights(trainer: Trainer) -> list[torch.Tensor]:
 
 def _encode_state(trainer: Trainer, initial: list[torch.Tensor], start: int) -> xr.Dataset:
     params = list(trainer.model.named_parameters())
-    change = torch.cat([(p.detach().cpu().float() - w0.float()).reshape(-1) for (_, p), w0 in zip(params, initial)])
+    change = torch.cat(
+        [(p.detach().cpu().float() - w0.float()).reshape(-1) for (_, p), w0 in zip(params, initial)]
+    )
     n = change.numel()
     blocks = torch.nn.functional.pad(change, (0, -n % STATE_BLOCK)).reshape(-1, STATE_BLOCK)
     amax = blocks.abs().amax(dim=1, keepdim=True)
@@ -164,18 +172,31 @@ def _encode_state(trainer: Trainer, initial: list[torch.Tensor], start: int) -> 
     codes = torch.round(blocks / scale).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
     table = [[name, list(p.shape)] for name, p in params]
     rng = trainer.data_rng.get_state().numpy()
-    return xr.Dataset({
-        f"{STATE_PREFIX}weight_change": (("state_element",), codes.reshape(-1)[:n].numpy(),
-                                         {"description": "W_start - W_0 of every parameter, concatenated in "
-                                          "named_parameters order, in units of its block's scale",
-                                          "parameters": json.dumps(table)}),
-        f"{STATE_PREFIX}weight_scale": (("state_block",), scale.reshape(-1).numpy(),
-                                        {"description": f"float32 scale of each {STATE_BLOCK} elements"}),
-        f"{STATE_PREFIX}data_generator": (("state_generator_byte",), rng,
-                                          {"description": "torch.Generator state of the data stream"}),
-        f"{STATE_PREFIX}tokens_seen": ((), np.int64(trainer.tokens_seen)),
-        f"{STATE_PREFIX}start_step": ((), np.int64(start), {"description": "the first replayed step"}),
-    })
+    return xr.Dataset(
+        {
+            f"{STATE_PREFIX}weight_change": (
+                ("state_element",),
+                codes.reshape(-1)[:n].numpy(),
+                {
+                    "description": "W_start - W_0 of every parameter, concatenated in "
+                    "named_parameters order, in units of its block's scale",
+                    "parameters": json.dumps(table),
+                },
+            ),
+            f"{STATE_PREFIX}weight_scale": (
+                ("state_block",),
+                scale.reshape(-1).numpy(),
+                {"description": f"float32 scale of each {STATE_BLOCK} elements"},
+            ),
+            f"{STATE_PREFIX}data_generator": (
+                ("state_generator_byte",),
+                rng,
+                {"description": "torch.Generator state of the data stream"},
+            ),
+            f"{STATE_PREFIX}tokens_seen": ((), np.int64(trainer.tokens_seen)),
+            f"{STATE_PREFIX}start_step": ((), np.int64(start), {"description": "the first replayed step"}),
+        }
+    )
 
 
 def _load_state(trainer: Trainer, state: xr.Dataset, hint: str = "; regenerate the baseline") -> None:
@@ -183,9 +204,11 @@ def _load_state(trainer: Trainer, state: xr.Dataset, hint: str = "; regenerate t
     table = json.loads(codes.attrs["parameters"])
     params = list(trainer.model.named_parameters())
     if [[name, list(p.shape)] for name, p in params] != table:
-        raise ValueError("replay: the state holds the parameters of another model "
-                         f"({len(table)} tensors stored, the model has {len(params)}: "
-                         f"{_mismatch(dict(table), {name: list(p.shape) for name, p in params})}){hint}")
+        raise ValueError(
+            "replay: the state holds the parameters of another model "
+            f"({len(table)} tensors stored, the model has {len(params)}: "
+            f"{_mismatch(dict(table), {name: list(p.shape) for name, p in params})}){hint}"
+        )
     n = codes.size
     raw = torch.from_numpy(np.asarray(codes.values, dtype=np.float32))
     raw = torch.nn.functional.pad(raw, (0, -n % STATE_BLOCK)).reshape(-1, STATE_BLOCK)
@@ -194,18 +217,26 @@ def _load_state(trainer: Trainer, state: xr.Dataset, hint: str = "; regenerate t
     offset = 0
     with torch.no_grad():
         for _, p in params:
-            p.add_(change[offset:offset + p.numel()].view(p.shape).to(p.device))
+            p.add_(change[offset : offset + p.numel()].view(p.shape).to(p.device))
             offset += p.numel()
-    trainer.data_rng.set_state(torch.from_numpy(np.asarray(state[f"{STATE_PREFIX}data_generator"].values,
-                                                           dtype=np.uint8)))
+    trainer.data_rng.set_state(
+        torch.from_numpy(np.asarray(state[f"{STATE_PREFIX}data_generator"].values, dtype=np.uint8))
+    )
     trainer.tokens_seen = int(state[f"{STATE_PREFIX}tokens_seen"])
 
 
 def _mismatch(stored: dict[str, list[int]], model: dict[str, list[int]], most: int = 3) -> str:
     """How the state's parameters (name -> shape) differ from the model's, the first `most`."""
-    found = [f"{name} {tuple(shape)} only in the model" for name, shape in model.items() if name not in stored]
-    found += [f"{name} {tuple(shape)} only in the state" for name, shape in stored.items() if name not in model]
-    found += [f"{name} {tuple(shape)} in the state, {tuple(model[name])} in the model"
-              for name, shape in stored.items() if name in model and model[name] != shape]
+    found = [
+        f"{name} {tuple(shape)} only in the model" for name, shape in model.items() if name not in stored
+    ]
+    found += [
+        f"{name} {tuple(shape)} only in the state" for name, shape in stored.items() if name not in model
+    ]
+    found += [
+        f"{name} {tuple(shape)} in the state, {tuple(model[name])} in the model"
+        for name, shape in stored.items()
+        if name in model and model[name] != shape
+    ]
     more = f" (+{len(found) - most} more)" if len(found) > most else ""
     return "; ".join(found[:most]) + more if found else "the same tensors in another order"

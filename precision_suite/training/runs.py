@@ -55,8 +55,7 @@ def fingerprint(device: torch.device) -> dict[str, object]:
     }
 
 
-def run(spec: RunSpec, progress: ProgressFn | None = None,
-        before_step: StepHook | None = None) -> xr.Dataset:
+def run(spec: RunSpec, progress: ProgressFn | None = None, before_step: StepHook | None = None) -> xr.Dataset:
     """Train ``spec`` and return its measurements (schema: docs/architecture.md).
 
     ``progress(steps_done, total_steps, loss)`` is called after every step, ``before_step(trainer,
@@ -106,9 +105,14 @@ class Trainer:
         # the layers whose forward the recipe replaced: an observed cast there is the model's own
         # quantization the recipe would silently replace (checked on the first sampled step)
         names = {id(module): name for name, module in self.model.named_modules()}
-        self.replaced = {names[id(layer)] for layer in recipe_layers(self.model)} \
-            if recipe is not None and not spec.replace_own_quantization else set()
-        self.recorder: Recorder = instrument(self.model, modules=spec.modules or None, schemes=spec.measured_schemes())
+        self.replaced = (
+            {names[id(layer)] for layer in recipe_layers(self.model)}
+            if recipe is not None and not spec.replace_own_quantization
+            else set()
+        )
+        self.recorder: Recorder = instrument(
+            self.model, modules=spec.modules or None, schemes=spec.measured_schemes()
+        )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.resolved_lr(), weight_decay=0.0)
         self.data_rng = torch.Generator().manual_seed(spec.seed)
         self.batch_size = spec.resolved_batch_size()
@@ -124,7 +128,9 @@ class Trainer:
         if recipe is not None:
             for layer in recipe_layers(self.model):
                 per_step += recipe.quantized_elements(layer.in_features, layer.out_features, tokens)
-        return self.spec.steps * per_step + len(self.spec.sampled_steps()) * self.recorder.measured_elements(tokens)
+        return self.spec.steps * per_step + len(self.spec.sampled_steps()) * self.recorder.measured_elements(
+            tokens
+        )
 
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.user_batches is not None:
@@ -152,8 +158,11 @@ class Trainer:
         if sampled and self.replaced:
             own = sorted(self.replaced & self.recorder.observed_modules())
             if own:
-                raise ValueError(_replacement_error(self.spec.recipe, [f"{name} casts to 8-bit floats itself"
-                                                                       for name in own]))
+                raise ValueError(
+                    _replacement_error(
+                        self.spec.recipe, [f"{name} casts to 8-bit floats itself" for name in own]
+                    )
+                )
             self.replaced = set()  # checked once
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
@@ -176,9 +185,11 @@ class Trainer:
 
 def _replacement_error(recipe: str, own: list[str]) -> str:
     more = f" (and {len(own) - 1} more)" if len(own) > 1 else ""
-    return (f"recipe {recipe!r} would replace the quantization the model's own code does: {own[0]}{more}; "
-            "drop `recipe` to measure the model's own numerics, or set replace_own_quantization = true "
-            "to train with the suite's recipe in their place")
+    return (
+        f"recipe {recipe!r} would replace the quantization the model's own code does: {own[0]}{more}; "
+        "drop `recipe` to measure the model's own numerics, or set replace_own_quantization = true "
+        "to train with the suite's recipe in their place"
+    )
 
 
 def _accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -189,13 +200,16 @@ def _logits(output: object) -> torch.Tensor:
     """A model's logits: its output, or the ``logits`` field of a Hugging Face style output."""
     logits = getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"model returned a {type(output).__name__}; return logits (a tensor) or an object "
-                         "with a .logits tensor")
+        raise ValueError(
+            f"model returned a {type(output).__name__}; return logits (a tensor) or an object "
+            "with a .logits tensor"
+        )
     return logits
 
 
-def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None,
-           before_step: StepHook | None) -> xr.Dataset:
+def _train(
+    spec: RunSpec, device: torch.device, progress: ProgressFn | None, before_step: StepHook | None
+) -> xr.Dataset:
     trainer = Trainer(spec, device)
     sampled = set(spec.sampled_steps())
     losses = np.empty(spec.steps)
@@ -212,8 +226,14 @@ def _train(spec: RunSpec, device: torch.device, progress: ProgressFn | None,
     return trained_dataset(trainer, np.arange(spec.steps), losses, accuracies, tokens)
 
 
-def trained_dataset(trainer: Trainer, train_steps: np.ndarray, losses: np.ndarray, accuracies: np.ndarray,
-                tokens: list[int], attrs: dict[str, object] | None = None) -> xr.Dataset:
+def trained_dataset(
+    trainer: Trainer,
+    train_steps: np.ndarray,
+    losses: np.ndarray,
+    accuracies: np.ndarray,
+    tokens: list[int],
+    attrs: dict[str, object] | None = None,
+) -> xr.Dataset:
     """The dataset of what ``trainer`` recorded: its sampled steps' measurements, with the loss and
     accuracy of ``train_steps`` and the tokens seen after each sampled step."""
     spec = trainer.spec

@@ -64,7 +64,9 @@ class RunSpec:
 
     model: str = "gpt"  # "vit" | "gpt" | "package.module:factory"
     attention: str = "softmax"  # attention.get_attention name, e.g. "x^3/sqrt(N)", or package.module:phi
-    recipe: str = "fp32"  # fp32, or a recipes.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
+    recipe: str = (
+        "fp32"  # fp32, or a recipes.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
+    )
     extra_formats: tuple[str, ...] = ()  # schemes measured next to fp8-block, e.g. ("mxfp8", "nvfp4")
     steps: int = 50
     batch_size: int | None = None  # None: 32 images (vit) / 8 sequences (gpt)
@@ -96,8 +98,9 @@ class RunSpec:
         if isinstance(self.expect, Mapping):  # a TOML table: glob = "recipe"
             object.__setattr__(self, "expect", tuple((str(k), v) for k, v in self.expect.items()))
         elif isinstance(self.expect, list):  # JSON: [[glob, recipe], ...]
-            object.__setattr__(self, "expect", tuple(tuple(pair) if isinstance(pair, list) else pair
-                                                     for pair in self.expect))
+            object.__setattr__(
+                self, "expect", tuple(tuple(pair) if isinstance(pair, list) else pair for pair in self.expect)
+            )
 
     # -- derived values -------------------------------------------------------------------------
     @property
@@ -162,21 +165,29 @@ class RunSpec:
         recipe = self._checked_recipe()
         self._check_expect()
         if not isinstance(self.replace_own_quantization, bool):
-            raise ValueError(f"replace_own_quantization must be true or false, got {self.replace_own_quantization!r}")
+            raise ValueError(
+                f"replace_own_quantization must be true or false, got {self.replace_own_quantization!r}"
+            )
         schemes = self._checked_measurements()
         if self.user_model:
             load_object(self.model, "model")
             if self.batches is None:
-                raise ValueError(f"batches: model {self.model!r} is a user's model, so name its batch "
-                                 "function too: batches = \"package.module:function\" (see RunSpec)")
+                raise ValueError(
+                    f"batches: model {self.model!r} is a user's model, so name its batch "
+                    'function too: batches = "package.module:function" (see RunSpec)'
+                )
             load_object(self.batches, "batches")
             return self
         if self.model not in TRAINING_DEFAULTS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(TRAINING_DEFAULTS)} "
-                             "or name a factory of yours as package.module:function")
+            raise ValueError(
+                f"unknown model {self.model!r}; choose one of {', '.join(TRAINING_DEFAULTS)} "
+                "or name a factory of yours as package.module:function"
+            )
         if self.batches is not None:
-            raise ValueError(f"batches: the built-in {self.model!r} model trains on its own data; "
-                             "batches is for a user's model (model = \"package.module:factory\")")
+            raise ValueError(
+                f"batches: the built-in {self.model!r} model trains on its own data; "
+                'batches is for a user\'s model (model = "package.module:factory")'
+            )
         config = self.model_config()
         tokens = self.tokens_per_step()
         for name, in_features, out_features in block_linears(config):
@@ -184,7 +195,9 @@ class RunSpec:
                 recipe.check_fits(in_features, out_features, tokens, f"linear layer {name!r}")
             for scheme in schemes:
                 check_scheme_fits(scheme, in_features, out_features, tokens, f"linear layer {name!r}")
-        if self.modules:  # a glob that matches no layer, said before anything trains (a user's model: when built)
+        if (
+            self.modules
+        ):  # a glob that matches no layer, said before anything trains (a user's model: when built)
             with torch.random.fork_rng(devices=[]):
                 instrument(build_model(config), modules=self.modules, attention=None, observe=False)
         return self
@@ -197,11 +210,15 @@ class RunSpec:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.name is not None and not (isinstance(self.name, str) and CASE_NAME.fullmatch(self.name)):
-            raise ValueError(f"name must be 1 to 80 letters, digits, '.', '_' or '-', starting with a letter or "
-                             f"digit (it names the case's files), e.g. name = \"my-model-fp8\"; got {self.name!r}")
+            raise ValueError(
+                f"name must be 1 to 80 letters, digits, '.', '_' or '-', starting with a letter or "
+                f'digit (it names the case\'s files), e.g. name = "my-model-fp8"; got {self.name!r}'
+            )
         if not (isinstance(self.modules, tuple) and all(isinstance(p, str) and p for p in self.modules)):
-            raise ValueError("modules must be a list of globs over module names, e.g. modules = [\"blocks.*\", "
-                             f"\"head\"]; got {self.modules!r}")
+            raise ValueError(
+                'modules must be a list of globs over module names, e.g. modules = ["blocks.*", '
+                f'"head"]; got {self.modules!r}'
+            )
 
     def _checked_recipe(self) -> Recipe | None:
         if not isinstance(self.recipe, str):
@@ -212,8 +229,9 @@ class RunSpec:
         example = 'expect = { "blocks.*" = "fp8-hybrid", head = "fp32" }'
         for pair in self.expect:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(v, str) for v in pair)):
-                raise ValueError(f"expect: each entry is a module glob and a recipe name, as in {example}; "
-                                 f"got {pair!r}")
+                raise ValueError(
+                    f"expect: each entry is a module glob and a recipe name, as in {example}; got {pair!r}"
+                )
             if pair[1] != "fp32":
                 try:
                     get_recipe(pair[1])
@@ -221,8 +239,12 @@ class RunSpec:
                     raise ValueError(f"expect: {pair[0]!r}: {error}") from None
 
     def _checked_measurements(self) -> list[Scheme]:
-        if not isinstance(self.extra_formats, tuple) or not all(isinstance(n, str) for n in self.extra_formats):
-            raise ValueError(f"extra_formats must be a tuple of scheme names ({SCHEME_EXAMPLES}), got {self.extra_formats!r}")
+        if not isinstance(self.extra_formats, tuple) or not all(
+            isinstance(n, str) for n in self.extra_formats
+        ):
+            raise ValueError(
+                f"extra_formats must be a tuple of scheme names ({SCHEME_EXAMPLES}), got {self.extra_formats!r}"
+            )
         try:
             return list(check_measurements(self.measured_schemes()))
         except ValueError as error:
@@ -235,8 +257,11 @@ class RunSpec:
     def fields(self) -> dict[str, object]:
         """Every field, but an ADDED_FIELDS one at its default (the spec's JSON object)."""
         defaults = RunSpec.__dataclass_fields__
-        return {name: value for name, value in dataclasses.asdict(self).items()
-                if name not in ADDED_FIELDS or value != defaults[name].default}
+        return {
+            name: value
+            for name, value in dataclasses.asdict(self).items()
+            if name not in ADDED_FIELDS or value != defaults[name].default
+        }
 
     @classmethod
     def from_json(cls, text: str) -> RunSpec:
@@ -279,8 +304,11 @@ def case_id(spec: RunSpec) -> str:
     A named case is '<name>-<hash>', the hash over every field that defines the case, model,
     attention and recipe included, and the name left out: two cases of one name that train
     different things get different ids, and a renamed case keeps its hash."""
-    identity = {name: value for name, value in spec.fields().items()
-                if name not in (*NOT_CASE_IDENTITY, *JUDGING_FIELDS, *NAMING_FIELDS)}
+    identity = {
+        name: value
+        for name, value in spec.fields().items()
+        if name not in (*NOT_CASE_IDENTITY, *JUDGING_FIELDS, *NAMING_FIELDS)
+    }
     if spec.name is not None:
         return f"{safe_name(spec.name)}-{_digest(identity)}"
     recipe = "own" if spec.user_model and spec.recipe == "fp32" else safe_name(spec.recipe)

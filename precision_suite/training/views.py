@@ -27,13 +27,24 @@ from precision_suite.training.recipes import GEMM_OPERANDS, Recipe
 _NUMEL, _NONFINITE = SUM_FIELDS.index("numel"), SUM_FIELDS.index("nonfinite_in")
 QUANT_WHERE = ("step", "layer", "tensor", "layout")
 OPERAND_VARIABLES = ("operand_mismatch", "operand_numel")  # per module already: the module view keeps them
-OBSERVED_VARIABLES = ("observed_format", "observed_block", "observed_scale", "observed_target", "observed_shape",
-                      "observed_gemms", "observed_accumulation", "observed_unconsumed")
+OBSERVED_VARIABLES = (
+    "observed_format",
+    "observed_block",
+    "observed_scale",
+    "observed_target",
+    "observed_shape",
+    "observed_gemms",
+    "observed_accumulation",
+    "observed_unconsumed",
+)
 # the accumulation error's columns: the GEMM as it ran (its recipe's mode, or the flag of the
 # model's own scaled GEMM call), then what each mode of WHAT_IF would give on the same operands
 AS_RUN = "as-run"
 ACCUMULATIONS = (AS_RUN, *(accumulation.text() for accumulation in WHAT_IF))
-ACCUMULATION_VARIABLES = ("accumulation_mode", "accumulation_k")  # per module already: the module view keeps them
+ACCUMULATION_VARIABLES = (
+    "accumulation_mode",
+    "accumulation_k",
+)  # per module already: the module view keeps them
 # the suite's recipe each module trained with (Recipe.describe), per module already: the module view keeps them
 RECIPE_VARIABLES = ("recipe_operand", "recipe_accumulation")
 _OUTPUTS = ERROR_FIELDS.index("outputs")
@@ -46,7 +57,9 @@ class ObservedSteps(NamedTuple):
     formats: np.ndarray  # (step, module, operand) str: "<fmt>:<granularity>", "" where none was seen
     blocks: np.ndarray  # (step, module, operand) str: the block one scale covers, "RxC" or "tensor"
     scales: np.ndarray  # (step, module, operand) str: the scale's kind
-    targets: np.ndarray  # (step, module, operand) float64: the scale's target (observation.scale_target), NaN: none
+    targets: (
+        np.ndarray
+    )  # (step, module, operand) float64: the scale's target (observation.scale_target), NaN: none
     shapes: np.ndarray  # (step, module, operand) str: the operand's "RxC" in the suite's orientation
     gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
     accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)
@@ -79,12 +92,21 @@ def layer_index(name: str) -> int:
     return -1
 
 
-def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[str], sums: np.ndarray,
-                attention_modules: Sequence[str], attention_norms: np.ndarray,
-                first_labels: Sequence[str], case: str, attrs: Mapping[str, Any],
-                operands: OperandCounts | None = None, observed: ObservedSteps | None = None,
-                accumulation: AccumulationSteps | None = None,
-                recipes: Sequence[Recipe | None] | None = None) -> xr.Dataset:
+def run_dataset(
+    steps: Sequence[int],
+    modules: Sequence[str],
+    labels: Sequence[str],
+    sums: np.ndarray,
+    attention_modules: Sequence[str],
+    attention_norms: np.ndarray,
+    first_labels: Sequence[str],
+    case: str,
+    attrs: Mapping[str, Any],
+    operands: OperandCounts | None = None,
+    observed: ObservedSteps | None = None,
+    accumulation: AccumulationSteps | None = None,
+    recipes: Sequence[Recipe | None] | None = None,
+) -> xr.Dataset:
     """The schema-3 dataset (docs/architecture.md).
 
     sums: (step, module, tensor, layout, sum_field), zero where nothing was measured.
@@ -102,35 +124,60 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
     steps = np.asarray(steps, dtype=np.int64)
     sum_dims = ("step", "module", "tensor", "layout", "sum_field")
     data_vars: dict[str, Any] = {
-        "module_sums": (sum_dims, sums, {
-            "long_name": "additive quantization sums per module", "units": "1",
-            "description": "counts and float64 dot products (sum_field) of each GEMM operand; a "
-                           "layer's metrics are its modules' sums added, then turned into ratios"}),
+        "module_sums": (
+            sum_dims,
+            sums,
+            {
+                "long_name": "additive quantization sums per module",
+                "units": "1",
+                "description": "counts and float64 dot products (sum_field) of each GEMM operand; a "
+                "layer's metrics are its modules' sums added, then turned into ratios",
+            },
+        ),
     }
     coords: dict[str, Any] = {
         "step": steps,
         "module": np.array(modules, dtype=object),
-        "module_layer": ("module", module_layer, {"description": "block index of the module, -1 outside blocks"}),
+        "module_layer": (
+            "module",
+            module_layer,
+            {"description": "block index of the module, -1 outside blocks"},
+        ),
         "tensor": np.array(TENSOR_ROLES, dtype=object),
         "layout": np.array(labels, dtype=object),
         "sum_field": np.array(SUM_FIELDS, dtype=object),
     }
     if len(attention_modules):
-        data_vars["module_attention_norm"] = (("step", "attention_module"), attention_norms,
-                                              METRICS["attention_norm"].attrs())
+        data_vars["module_attention_norm"] = (
+            ("step", "attention_module"),
+            attention_norms,
+            METRICS["attention_norm"].attrs(),
+        )
         coords["attention_module"] = np.array(attention_modules, dtype=object)
-        coords["attention_module_layer"] = ("attention_module", attention_layer,
-                                            {"description": "block index of the attention module"})
+        coords["attention_module_layer"] = (
+            "attention_module",
+            attention_layer,
+            {"description": "block index of the attention module"},
+        )
     if operands is not None:
         operand_dims = ("step", "module", "operand")
         data_vars["operand_mismatch"] = (operand_dims, operands.mismatch, METRICS["operand_mismatch"].attrs())
-        data_vars["operand_numel"] = (operand_dims, operands.numel, {
-            "long_name": "consumed operand elements compared", "units": "1",
-            "description": "elements of each GEMM operand the recipe consumed and the recorder compared "
-                           "(0: the module consumed no recipe operand)"})
+        data_vars["operand_numel"] = (
+            operand_dims,
+            operands.numel,
+            {
+                "long_name": "consumed operand elements compared",
+                "units": "1",
+                "description": "elements of each GEMM operand the recipe consumed and the recorder compared "
+                "(0: the module consumed no recipe operand)",
+            },
+        )
         coords["operand"] = np.array(operands.operands, dtype=object)
-        coords["operand_declared"] = ("operand", np.array(operands.declared, dtype=object), {
-            "description": "the recipe's declared format:layout[:stochastic] of each operand, or fp32"})
+        coords["operand_declared"] = (
+            "operand",
+            np.array(operands.declared, dtype=object),
+            {"description": "the recipe's declared format:layout[:stochastic] of each operand, or fp32"},
+        )
     if observed is not None:
         data_vars.update(_observed_vars(observed))
         coords["gemm"] = np.array(GEMMS, dtype=object)
@@ -150,15 +197,26 @@ def run_dataset(steps: Sequence[int], modules: Sequence[str], labels: Sequence[s
         layer_sums = np.stack([sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
         data_vars.update(_metric_vars(layer_sums, "layer", first_labels, labels))
         if observed is not None:
-            observed_sums = np.stack([observed.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
+            observed_sums = np.stack(
+                [observed.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1
+            )
             data_vars.update(_observed_metric_vars(observed_sums, "layer"))
         if accumulation is not None:
-            pooled = np.stack([accumulation.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1)
+            pooled = np.stack(
+                [accumulation.sums[:, module_layer == layer].sum(axis=1) for layer in layers], axis=1
+            )
             data_vars["accumulation_error"] = _accumulation_error(pooled, "layer")
         if len(attention_modules):
-            norms = np.stack([_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1)
+            norms = np.stack(
+                [_nanmean(attention_norms[:, attention_layer == layer]) for layer in layers], axis=1
+            )
             data_vars["attention_norm"] = (("step", "layer"), norms, METRICS["attention_norm"].attrs())
-    all_attrs = {"schema_version": SCHEMA_VERSION, "case": case, "nonfinite_layouts": ",".join(first_labels), **attrs}
+    all_attrs = {
+        "schema_version": SCHEMA_VERSION,
+        "case": case,
+        "nonfinite_layouts": ",".join(first_labels),
+        **attrs,
+    }
     return xr.Dataset(data_vars, coords=coords, attrs=all_attrs)
 
 
@@ -171,33 +229,60 @@ def module_view(ds: xr.Dataset) -> xr.Dataset:
     variable is filled where its group has no such module as ``_fill`` says (NaN: not measured).
     """
     if "module_sums" not in ds:
-        raise ValueError(f"dataset {ds.attrs.get('case', '')!r} has no per-module sums (schema_version "
-                         f"{ds.attrs.get('schema_version')!r}; per-module numbers need {SCHEMA_VERSION})")
+        raise ValueError(
+            f"dataset {ds.attrs.get('case', '')!r} has no per-module sums (schema_version "
+            f"{ds.attrs.get('schema_version')!r}; per-module numbers need {SCHEMA_VERSION})"
+        )
     sums = ds["module_sums"].transpose("step", "module", "tensor", "layout", "sum_field").values
     labels = [str(v) for v in ds["layout"].values]
-    gemm_modules = xr.Dataset(dict(_metric_vars(sums, "module", _first_labels(ds), labels)),
-                              coords={"step": ds["step"].values, "module": ds["module"].values,
-                                      "tensor": ds["tensor"].values, "layout": ds["layout"].values})
-    present = [name for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES, *RECIPE_VARIABLES)
-               if name in ds]
+    gemm_modules = xr.Dataset(
+        dict(_metric_vars(sums, "module", _first_labels(ds), labels)),
+        coords={
+            "step": ds["step"].values,
+            "module": ds["module"].values,
+            "tensor": ds["tensor"].values,
+            "layout": ds["layout"].values,
+        },
+    )
+    present = [
+        name
+        for name in (*OPERAND_VARIABLES, *OBSERVED_VARIABLES, *ACCUMULATION_VARIABLES, *RECIPE_VARIABLES)
+        if name in ds
+    ]
     gemm_modules = gemm_modules.assign({name: ds[name].drop_vars("module_layer") for name in present})
     if "observed_sums" in ds:
         sums = ds["observed_sums"].transpose("step", "module", "operand", "sum_field").values
         gemm_modules = gemm_modules.assign(_observed_metric_vars(sums, "module"))
     if "accumulation_sums" in ds:
-        sums = ds["accumulation_sums"].transpose("step", "module", "gemm", "accumulation", "accumulation_field").values
+        sums = (
+            ds["accumulation_sums"]
+            .transpose("step", "module", "gemm", "accumulation", "accumulation_field")
+            .values
+        )
         gemm_modules = gemm_modules.assign(accumulation_error=_accumulation_error(sums, "module"))
-    gemm_modules = gemm_modules.assign_coords({dim: ds[dim].values for dim in gemm_modules.dims
-                                               if dim not in gemm_modules.coords and dim in ds.coords})
+    gemm_modules = gemm_modules.assign_coords(
+        {
+            dim: ds[dim].values
+            for dim in gemm_modules.dims
+            if dim not in gemm_modules.coords and dim in ds.coords
+        }
+    )
     groups = [gemm_modules]
     if "module_attention_norm" in ds:
-        norms = ds["module_attention_norm"].rename(attention_module="module").drop_vars("attention_module_layer",
-                                                                                        errors="ignore")
+        norms = (
+            ds["module_attention_norm"]
+            .rename(attention_module="module")
+            .drop_vars("attention_module_layer", errors="ignore")
+        )
         groups.append(norms.to_dataset(name="attention_norm"))
     modules = list(dict.fromkeys(str(m) for group in groups for m in group["module"].values))
-    on_modules = [group.reindex(module=np.array(modules, dtype=object),
-                                fill_value={name: _fill(group[name]) for name in group.data_vars})
-                  for group in groups]
+    on_modules = [
+        group.reindex(
+            module=np.array(modules, dtype=object),
+            fill_value={name: _fill(group[name]) for name in group.data_vars},
+        )
+        for group in groups
+    ]
     view = xr.merge(on_modules, join="exact", compat="override", combine_attrs="drop")
     view.attrs = dict(ds.attrs)
     if "tokens" in ds.coords:
@@ -215,8 +300,9 @@ def _fill(variable: xr.DataArray) -> object:
     return np.nan
 
 
-def _metric_vars(sums: np.ndarray, where: str, first_labels: Sequence[str],
-                 labels: Sequence[str]) -> dict[str, Any]:
+def _metric_vars(
+    sums: np.ndarray, where: str, first_labels: Sequence[str], labels: Sequence[str]
+) -> dict[str, Any]:
     """Metric variables over (step, <where>, tensor, layout) from sums of that shape (+ sum_field)."""
     metrics = metrics_from_sums(sums)
     dims = ("step", where, "tensor", "layout")
@@ -226,9 +312,15 @@ def _metric_vars(sums: np.ndarray, where: str, first_labels: Sequence[str],
     return {
         **{name: (dims, metrics[name], METRICS[name].attrs()) for name in QUANT_METRICS},
         "nonfinite": (dims[:3], first_sums[..., _NONFINITE].astype(np.int64), METRICS["nonfinite"].attrs()),
-        "numel": ((where, "tensor"), first_sums[0, ..., _NUMEL].astype(np.int64),
-                  {"long_name": "elements counted", "units": "1",
-                   "description": f"elements pooled into each {where}'s fractions per step"}),
+        "numel": (
+            (where, "tensor"),
+            first_sums[0, ..., _NUMEL].astype(np.int64),
+            {
+                "long_name": "elements counted",
+                "units": "1",
+                "description": f"elements pooled into each {where}'s fractions per step",
+            },
+        ),
     }
 
 
@@ -236,64 +328,136 @@ def _observed_vars(observed: ObservedSteps) -> dict[str, Any]:
     """The per-module variables of the observed quantization (the recipe, GEMM counts, sums)."""
     per_operand, per_gemm = ("step", "module", "operand"), ("step", "module", "gemm")
     return {
-        "observed_sums": ((*per_operand, "sum_field"), observed.sums, {
-            "long_name": "additive sums of the observed quantization per module", "units": "1",
-            "description": "sum_field sums of each GEMM operand the model's own code quantized, against "
-                           "the high-precision tensor it came from (0 where none was observed)"}),
-        "observed_format": (per_operand, observed.formats, {
-            "long_name": "observed operand format", "units": "1",
-            "description": "<element format>:<scale granularity> of each operand the module's scaled "
-                           "GEMMs consumed, in recipe vocabulary (tensor, row, column, RxC blocks); "
-                           "several joined by |; empty where none was observed"}),
-        "observed_block": (per_operand, observed.blocks, {
-            "long_name": "observed scaling block", "units": "1",
-            "description": "rows x columns one scale of the operand covers (x as tokens x in, W as out x in, "
-                           "dy as tokens x out), or tensor"}),
-        "observed_scale": (per_operand, observed.scales, {
-            "long_name": "observed scale kind", "units": "1",
-            "description": "dtype of each operand's scale, with pow2 when every scale is a power of two"}),
-        "observed_target": (per_operand, observed.targets, {
-            "long_name": "observed scale target", "units": "1",
-            "description": "where the operand's scale maps each block's amax, as a fraction of the format's "
-                           "largest finite value (1.0: amax -> 448 in E4M3), the median over blocks to 2 "
-                           "significant digits; with power-of-two scales the upper end of the bracket "
-                           "(T/2, T] they leave, a power of two; NaN where none was observed"}),
-        "observed_shape": (per_operand, observed.shapes, {
-            "long_name": "observed operand shape", "units": "1",
-            "description": "rows x columns of the operand as the recipes describe it (a block clips to it); "
-                           "not part of the recipe"}),
-        "observed_gemms": (per_gemm, observed.gemms, {
-            "long_name": "observed scaled GEMMs", "units": "1",
-            "description": "GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step with a quantized "
-                           "operand: scaled GEMMs and matrix products of dequantized casts (fake quantization)"}),
-        "observed_accumulation": (per_gemm, observed.accumulation, {
-            "long_name": "observed GEMM accumulation flag", "units": "1",
-            "description": "fast (use_fast_accum) or precise, as the GEMM call said; empty where it did not"}),
-        "observed_unconsumed": (("step", "module"), observed.unconsumed, {
-            "long_name": "elements cast to 8 bits that no observed GEMM consumed", "units": "1",
-            "description": "casts whose GEMM the suite could not see (a kernel inside a compiled graph or an "
-                           "extension), or that fed no GEMM"}),
+        "observed_sums": (
+            (*per_operand, "sum_field"),
+            observed.sums,
+            {
+                "long_name": "additive sums of the observed quantization per module",
+                "units": "1",
+                "description": "sum_field sums of each GEMM operand the model's own code quantized, against "
+                "the high-precision tensor it came from (0 where none was observed)",
+            },
+        ),
+        "observed_format": (
+            per_operand,
+            observed.formats,
+            {
+                "long_name": "observed operand format",
+                "units": "1",
+                "description": "<element format>:<scale granularity> of each operand the module's scaled "
+                "GEMMs consumed, in recipe vocabulary (tensor, row, column, RxC blocks); "
+                "several joined by |; empty where none was observed",
+            },
+        ),
+        "observed_block": (
+            per_operand,
+            observed.blocks,
+            {
+                "long_name": "observed scaling block",
+                "units": "1",
+                "description": "rows x columns one scale of the operand covers (x as tokens x in, W as out x in, "
+                "dy as tokens x out), or tensor",
+            },
+        ),
+        "observed_scale": (
+            per_operand,
+            observed.scales,
+            {
+                "long_name": "observed scale kind",
+                "units": "1",
+                "description": "dtype of each operand's scale, with pow2 when every scale is a power of two",
+            },
+        ),
+        "observed_target": (
+            per_operand,
+            observed.targets,
+            {
+                "long_name": "observed scale target",
+                "units": "1",
+                "description": "where the operand's scale maps each block's amax, as a fraction of the format's "
+                "largest finite value (1.0: amax -> 448 in E4M3), the median over blocks to 2 "
+                "significant digits; with power-of-two scales the upper end of the bracket "
+                "(T/2, T] they leave, a power of two; NaN where none was observed",
+            },
+        ),
+        "observed_shape": (
+            per_operand,
+            observed.shapes,
+            {
+                "long_name": "observed operand shape",
+                "units": "1",
+                "description": "rows x columns of the operand as the recipes describe it (a block clips to it); "
+                "not part of the recipe",
+            },
+        ),
+        "observed_gemms": (
+            per_gemm,
+            observed.gemms,
+            {
+                "long_name": "observed scaled GEMMs",
+                "units": "1",
+                "description": "GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step with a quantized "
+                "operand: scaled GEMMs and matrix products of dequantized casts (fake quantization)",
+            },
+        ),
+        "observed_accumulation": (
+            per_gemm,
+            observed.accumulation,
+            {
+                "long_name": "observed GEMM accumulation flag",
+                "units": "1",
+                "description": "fast (use_fast_accum) or precise, as the GEMM call said; empty where it did not",
+            },
+        ),
+        "observed_unconsumed": (
+            ("step", "module"),
+            observed.unconsumed,
+            {
+                "long_name": "elements cast to 8 bits that no observed GEMM consumed",
+                "units": "1",
+                "description": "casts whose GEMM the suite could not see (a kernel inside a compiled graph or an "
+                "extension), or that fed no GEMM",
+            },
+        ),
     }
 
 
 def _accumulation_vars(accumulation: AccumulationSteps) -> dict[str, Any]:
     per_gemm = ("step", "module", "gemm")
     return {
-        "accumulation_sums": ((*per_gemm, "accumulation", "accumulation_field"), accumulation.sums, {
-            "long_name": "additive sums of the GEMM accumulation error per module", "units": "1",
-            "description": "float64 sums (accumulation_field) of each GEMM accumulated as an H100's FP8 tensor "
-                           "cores do (numerics/accumulation.py) against the float64 product of the same quantized "
-                           "operands: sum (C - R)^2 and sum R^2 over the finite outputs, outputs left out, outputs; "
-                           "a layer's error is its modules' sums added, then the ratio; 0 where not measured"}),
-        "accumulation_mode": (per_gemm, accumulation.modes, {
-            "long_name": "accumulation of the GEMM as it ran", "units": "1",
-            "description": "hopper-fast or hopper-promoted:N: the recipe's accumulate, or the use_fast_accum flag "
-                           "of the model's own scaled GEMM (fast: hopper-fast, else hopper-promoted:128, cuBLAS's "
-                           "split accumulator); several joined by |; empty where no FP8 GEMM accumulated so"}),
-        "accumulation_k": (per_gemm, accumulation.reductions, {
-            "long_name": "GEMM reduction length K", "units": "1",
-            "description": "products summed per output of the GEMM (fprop: in features, dgrad: out features, "
-                           "wgrad: tokens); the largest where a module ran it with several; 0 where not measured"}),
+        "accumulation_sums": (
+            (*per_gemm, "accumulation", "accumulation_field"),
+            accumulation.sums,
+            {
+                "long_name": "additive sums of the GEMM accumulation error per module",
+                "units": "1",
+                "description": "float64 sums (accumulation_field) of each GEMM accumulated as an H100's FP8 tensor "
+                "cores do (numerics/accumulation.py) against the float64 product of the same quantized "
+                "operands: sum (C - R)^2 and sum R^2 over the finite outputs, outputs left out, outputs; "
+                "a layer's error is its modules' sums added, then the ratio; 0 where not measured",
+            },
+        ),
+        "accumulation_mode": (
+            per_gemm,
+            accumulation.modes,
+            {
+                "long_name": "accumulation of the GEMM as it ran",
+                "units": "1",
+                "description": "hopper-fast or hopper-promoted:N: the recipe's accumulate, or the use_fast_accum flag "
+                "of the model's own scaled GEMM (fast: hopper-fast, else hopper-promoted:128, cuBLAS's "
+                "split accumulator); several joined by |; empty where no FP8 GEMM accumulated so",
+            },
+        ),
+        "accumulation_k": (
+            per_gemm,
+            accumulation.reductions,
+            {
+                "long_name": "GEMM reduction length K",
+                "units": "1",
+                "description": "products summed per output of the GEMM (fprop: in features, dgrad: out features, "
+                "wgrad: tokens); the largest where a module ran it with several; 0 where not measured",
+            },
+        ),
     }
 
 
@@ -301,23 +465,43 @@ def _recipe_vars(recipes: Sequence[Recipe | None]) -> dict[str, Any]:
     """The suite's recipe per module as data: each GEMM operand's format:layout[:stochastic] and each
     GEMM's accumulation, as `Recipe.describe` (and a `[recipes.NAME]` table) writes them."""
     described = [recipe.describe() if recipe is not None else None for recipe in recipes]
-    operands = np.array([[d[gemm][side] if d else "" for gemm, side in (o.split(".") for o in GEMM_OPERANDS)]
-                         for d in described], dtype=object).reshape(len(recipes), len(GEMM_OPERANDS))
-    accumulation = np.array([[d[gemm]["accumulate"] if d else "" for gemm in GEMMS] for d in described],
-                            dtype=object).reshape(len(recipes), len(GEMMS))
+    operands = np.array(
+        [
+            [d[gemm][side] if d else "" for gemm, side in (o.split(".") for o in GEMM_OPERANDS)]
+            for d in described
+        ],
+        dtype=object,
+    ).reshape(len(recipes), len(GEMM_OPERANDS))
+    accumulation = np.array(
+        [[d[gemm]["accumulate"] if d else "" for gemm in GEMMS] for d in described], dtype=object
+    ).reshape(len(recipes), len(GEMMS))
     return {
-        "recipe_operand": (("module", "operand"), operands, {
-            "long_name": "recipe operand format", "units": "1",
-            "description": "format:layout[:stochastic] of each GEMM operand in the suite's recipe the module "
-                           "trained with, or fp32; empty where the module had no recipe of the suite's"}),
-        "recipe_accumulation": (("module", "gemm"), accumulation, {
-            "long_name": "recipe GEMM accumulation", "units": "1",
-            "description": "fp32, hopper-fast or hopper-promoted:N: the accumulate of each GEMM in the suite's "
-                           "recipe the module trained with; empty where the module had no recipe of the suite's"}),
+        "recipe_operand": (
+            ("module", "operand"),
+            operands,
+            {
+                "long_name": "recipe operand format",
+                "units": "1",
+                "description": "format:layout[:stochastic] of each GEMM operand in the suite's recipe the module "
+                "trained with, or fp32; empty where the module had no recipe of the suite's",
+            },
+        ),
+        "recipe_accumulation": (
+            ("module", "gemm"),
+            accumulation,
+            {
+                "long_name": "recipe GEMM accumulation",
+                "units": "1",
+                "description": "fp32, hopper-fast or hopper-promoted:N: the accumulate of each GEMM in the suite's "
+                "recipe the module trained with; empty where the module had no recipe of the suite's",
+            },
+        ),
     }
 
 
-def _accumulation_error(sums: np.ndarray, where: str) -> tuple[tuple[str, ...], np.ndarray, dict[str, object]]:
+def _accumulation_error(
+    sums: np.ndarray, where: str
+) -> tuple[tuple[str, ...], np.ndarray, dict[str, object]]:
     """accumulation_error over (step, <where>, gemm, accumulation) from sums of that shape (+ field):
     the ratio of the pooled sums, NaN where nothing was measured."""
     with np.errstate(invalid="ignore"):
@@ -330,10 +514,19 @@ def _observed_metric_vars(sums: np.ndarray, where: str) -> dict[str, Any]:
     metrics = metrics_from_sums(sums)
     dims = ("step", where, "operand")
     return {
-        **{observed_name(name): (dims, metrics[name], METRICS[observed_name(name)].attrs()) for name in QUANT_METRICS},
-        "observed_numel": (dims, sums[..., _NUMEL].astype(np.int64), {
-            "long_name": "elements of the observed quantizations", "units": "1",
-            "description": f"elements pooled into each {where}'s observed fractions"}),
+        **{
+            observed_name(name): (dims, metrics[name], METRICS[observed_name(name)].attrs())
+            for name in QUANT_METRICS
+        },
+        "observed_numel": (
+            dims,
+            sums[..., _NUMEL].astype(np.int64),
+            {
+                "long_name": "elements of the observed quantizations",
+                "units": "1",
+                "description": f"elements pooled into each {where}'s observed fractions",
+            },
+        ),
     }
 
 

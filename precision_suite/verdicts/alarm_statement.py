@@ -30,24 +30,29 @@ def read_measured(baseline_dir: str | os.PathLike) -> dict[str, Any] | None:
     try:
         measured = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is unreadable ({exc}); rewrite it with `precision-suite calibrate`") from None
+        raise ValueError(
+            f"{path} is unreadable ({exc}); rewrite it with `precision-suite calibrate`"
+        ) from None
     if not isinstance(measured, dict) or not {"runs", "runs_with_alarms"} <= set(measured):
-        raise ValueError(f"{path} lacks the fields runs and runs_with_alarms; rewrite it with "
-                         "`precision-suite calibrate`")
+        raise ValueError(
+            f"{path} lacks the fields runs and runs_with_alarms; rewrite it with `precision-suite calibrate`"
+        )
     return measured
 
 
-def statement_lines(measured: Mapping[str, Any] | None,
-                    rate: float = DESIGN_FALSE_ALARM_RATE) -> list[str]:
+def statement_lines(measured: Mapping[str, Any] | None, rate: float = DESIGN_FALSE_ALARM_RATE) -> list[str]:
     """The designed and the measured false-alarm rate, as sentences."""
     lines = [f"Comparison against seed ensembles: designed false-alarm rate <= {rate:g} per case."]
     if measured:
         host = measured.get("fingerprint") or {}
-        lines.append(f"Measured by `precision-suite calibrate` on {measured.get('created', '?')} "
-                     f"({host.get('cpu_capability', '?')}, {host.get('platform', '?')}): "
-                     f"{measured['runs_with_alarms']} of {measured['runs']} perturbed runs with a "
-                     f"false alarm ({', '.join(measured.get('perturbations', []))}).")
+        lines.append(
+            f"Measured by `precision-suite calibrate` on {measured.get('created', '?')} "
+            f"({host.get('cpu_capability', '?')}, {host.get('platform', '?')}): "
+            f"{measured['runs_with_alarms']} of {measured['runs']} perturbed runs with a "
+            f"false alarm ({', '.join(measured.get('perturbations', []))})."
+        )
     else:
-        lines.append("Not measured on these baselines yet: run `precision-suite calibrate` once on "
-                     "your CI runners.")
+        lines.append(
+            "Not measured on these baselines yet: run `precision-suite calibrate` once on your CI runners."
+        )
     return lines

@@ -22,7 +22,11 @@ from precision_suite.verdicts.ensemble.series import EnsembleError, check_ensemb
 from precision_suite.verdicts.findings import to_python
 
 REQUIRED_ATTRS = ("schema_version", "case", "spec", "fingerprint", "package_version")
-EXECUTION_FIELDS = ("device", "seed", "threads")  # spec fields that do not define the case (see spec_differences)
+EXECUTION_FIELDS = (
+    "device",
+    "seed",
+    "threads",
+)  # spec fields that do not define the case (see spec_differences)
 
 
 class BaselineError(Exception):
@@ -41,8 +45,10 @@ def save_baseline(ds: xr.Dataset, path: str | os.PathLike) -> Path:
     """
     missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
-        raise BaselineError(f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
-                            "save datasets made by precision_suite.run")
+        raise BaselineError(
+            f"cannot save a baseline without attribute(s) {', '.join(missing)}; "
+            "save datasets made by precision_suite.run"
+        )
     return save_dataset(ds, path)
 
 
@@ -50,8 +56,9 @@ def update_baseline(ds: xr.Dataset, path: str | os.PathLike) -> bool:
     """Write `ds` as the baseline at `path` unless it already holds exactly these numbers (no
     churn in git); True when written. A missing, stale or corrupt file is replaced."""
     try:
-        existing = load_baseline(path, expected_spec=ds.attrs["spec"],
-                                 expected_schema_version=int(ds.attrs["schema_version"]))
+        existing = load_baseline(
+            path, expected_spec=ds.attrs["spec"], expected_schema_version=int(ds.attrs["schema_version"])
+        )
     except BaselineError:
         existing = None
     if existing is not None and same_numbers(existing, ds):
@@ -65,8 +72,10 @@ def default_regen_hint(case: str) -> str:
     any other case is defined by a config file or a test, which must be named too."""
     if in_default_matrix(case):
         return f"precision-suite baseline update --case '{case}'"
-    return (f"precision-suite baseline update --config <the file defining it> --case '{case}' "
-            "(or, for a pytest case, pytest <its test> --precision-regen)")
+    return (
+        f"precision-suite baseline update --config <the file defining it> --case '{case}' "
+        "(or, for a pytest case, pytest <its test> --precision-regen)"
+    )
 
 
 def in_default_matrix(case: str) -> bool:
@@ -77,9 +86,13 @@ def in_default_matrix(case: str) -> bool:
     return case in {case_id(spec) for spec in default_matrix()}
 
 
-def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, Any] | None = None,
-                  expected_schema_version: int = SCHEMA_VERSION,
-                  regen_hint: str | None = None) -> xr.Dataset:
+def load_baseline(
+    path: str | os.PathLike,
+    *,
+    expected_spec: str | Mapping[str, Any] | None = None,
+    expected_schema_version: int = SCHEMA_VERSION,
+    regen_hint: str | None = None,
+) -> xr.Dataset:
     """Read a baseline into memory, checking schema version and (if given) the spec it was run with.
 
     Raises BaselineError naming the file and saying how to create it again (`regen_hint`, by
@@ -93,27 +106,35 @@ def load_baseline(path: str | os.PathLike, *, expected_spec: str | Mapping[str, 
         with xr.open_dataset(path, engine=NETCDF_ENGINE) as stored:
             ds = stored.load()
     except Exception as err:  # h5py/xarray raise many types for a damaged file
-        raise BaselineError(f"baseline {path} is corrupt or not a netCDF file "
-                            f"({type(err).__name__}: {err}); recreate it with: {hint}") from None
+        raise BaselineError(
+            f"baseline {path} is corrupt or not a netCDF file "
+            f"({type(err).__name__}: {err}); recreate it with: {hint}"
+        ) from None
     hint = regen_hint or default_regen_hint(str(ds.attrs.get("case", path.stem)))
     missing = [name for name in REQUIRED_ATTRS if name not in ds.attrs]
     if missing:
-        raise BaselineError(f"baseline {path} lacks attribute(s) {', '.join(missing)}; "
-                            f"recreate it with: {hint}")
+        raise BaselineError(
+            f"baseline {path} lacks attribute(s) {', '.join(missing)}; recreate it with: {hint}"
+        )
     try:
         version = int(ds.attrs["schema_version"])
     except (TypeError, ValueError):
         version = None
     if version != expected_schema_version:
-        raise BaselineError(f"baseline {path} has schema_version {to_python(ds.attrs['schema_version'])!r}, "
-                            f"this precision-suite reads {expected_schema_version}; "
-                            f"recreate it with: {hint}")
+        raise BaselineError(
+            f"baseline {path} has schema_version {to_python(ds.attrs['schema_version'])!r}, "
+            f"this precision-suite reads {expected_schema_version}; "
+            f"recreate it with: {hint}"
+        )
     if expected_spec is not None:
-        differences = spec_differences(_spec_dict(ds.attrs["spec"], f"baseline {path}"),
-                                       _spec_dict(expected_spec, "the current spec"))
+        differences = spec_differences(
+            _spec_dict(ds.attrs["spec"], f"baseline {path}"), _spec_dict(expected_spec, "the current spec")
+        )
         if differences:
-            raise BaselineError(f"baseline {path} was made for another spec ({'; '.join(differences)}); "
-                                f"if the change is intended, recreate it with: {hint}")
+            raise BaselineError(
+                f"baseline {path} was made for another spec ({'; '.join(differences)}); "
+                f"if the change is intended, recreate it with: {hint}"
+            )
     return ds
 
 
@@ -136,8 +157,11 @@ def spec_differences(baseline: Mapping[str, Any], current: Mapping[str, Any]) ->
     change only rounding, which the comparison is calibrated to absorb.
     """
     fields = sorted((set(baseline) | set(current)) - set(EXECUTION_FIELDS))
-    return [f"{name}: baseline {baseline.get(name, '<absent>')!r}, current {current.get(name, '<absent>')!r}"
-            for name in fields if baseline.get(name) != current.get(name)]
+    return [
+        f"{name}: baseline {baseline.get(name, '<absent>')!r}, current {current.get(name, '<absent>')!r}"
+        for name in fields
+        if baseline.get(name) != current.get(name)
+    ]
 
 
 def _spec_dict(spec: str | Mapping[str, Any], what: str) -> dict[str, Any]:

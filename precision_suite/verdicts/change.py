@@ -37,22 +37,40 @@ def first_point(ds: xr.Dataset) -> xr.Dataset:
 
 def first_point_findings(head: xr.Dataset, base: xr.Dataset, tolerance: Mapping[str, float]) -> list[Finding]:
     """HEAD's first point against BASE's, within the rounding twins' `tolerance`."""
-    return compare_points(first_point(head), first_point(base), tolerance, "first point at step",
-                          "BASE's run", reference_name="BASE")
+    return compare_points(
+        first_point(head),
+        first_point(base),
+        tolerance,
+        "first point at step",
+        "BASE's run",
+        reference_name="BASE",
+    )
 
 
 def set_aside_base(head: Iterable[Finding], base: Iterable[Finding]) -> list[Finding]:
     """HEAD's findings, those that BASE's run has too (same kind, metric and series) marked as
     BASE's (`known`), so that they show but fail nothing."""
     shown_by_base = {_series_key(f) for f in base if not f.known}
-    return [dataclasses.replace(f, known=ALSO_IN_BASE, message=f"{f.message} ({ALSO_IN_BASE})")
-            if not f.known and _series_key(f) in shown_by_base else f for f in head]
+    return [
+        dataclasses.replace(f, known=ALSO_IN_BASE, message=f"{f.message} ({ALSO_IN_BASE})")
+        if not f.known and _series_key(f) in shown_by_base
+        else f
+        for f in head
+    ]
 
 
 def strict_finding(case: str, first_change: str) -> Finding:
     """The strict gate's finding: the numbers changed at all."""
-    return Finding(case, "regression", "numerics", {}, float("nan"), float("nan"), 0.0,
-                   f"{case}: numerics changed and the strict gate fails any change: {first_change}")
+    return Finding(
+        case,
+        "regression",
+        "numerics",
+        {},
+        float("nan"),
+        float("nan"),
+        0.0,
+        f"{case}: numerics changed and the strict gate fails any change: {first_change}",
+    )
 
 
 def _series_key(finding: Finding) -> tuple[Any, ...]:
@@ -66,9 +84,13 @@ def gate_text(strict: bool, baselines: Sequence[str], twins: Sequence[str]) -> s
         return "strict: any change of the numbers fails"
     parts = []
     if baselines:
-        parts.append(f"{len(baselines)} case(s) against their baseline's noise (seed ensemble, rounding "
-                     "twins, stored replay), what BASE's run shows set aside")
+        parts.append(
+            f"{len(baselines)} case(s) against their baseline's noise (seed ensemble, rounding "
+            "twins, stored replay), what BASE's run shows set aside"
+        )
     if twins:
-        parts.append(f"{len(twins)} case(s) without a baseline against BASE's rounding twins measured now "
-                     "(first point, clean replay)")
+        parts.append(
+            f"{len(twins)} case(s) without a baseline against BASE's rounding twins measured now "
+            "(first point, clean replay)"
+        )
     return "beyond noise: " + ("; ".join(parts) or "no case changed")

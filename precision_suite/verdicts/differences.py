@@ -57,12 +57,22 @@ def first_differences(base: xr.Dataset, head: xr.Dataset) -> list[Difference]:
             found.append(Difference(str(name), None, note="only in HEAD"))
         elif (difference := _first_difference(str(name), base[name], head[name])) is not None:
             found.append(difference)
-    found += [Difference(str(name), None, note="only in BASE") for name in base.data_vars if name not in head.data_vars]
+    found += [
+        Difference(str(name), None, note="only in BASE")
+        for name in base.data_vars
+        if name not in head.data_vars
+    ]
     if not found and not base.equals(head):
         found.append(Difference("coordinates", None, note="the coordinates differ (e.g. tokens seen)"))
     order = list(METRICS)
-    return sorted(found, key=lambda d: (d.step is None, d.step or 0,
-                                        order.index(d.metric) if d.metric in order else len(order)))
+    return sorted(
+        found,
+        key=lambda d: (
+            d.step is None,
+            d.step or 0,
+            order.index(d.metric) if d.metric in order else len(order),
+        ),
+    )
 
 
 def _first_difference(name: str, base: xr.DataArray, head: xr.DataArray) -> Difference | None:
@@ -80,12 +90,19 @@ def _first_difference(name: str, base: xr.DataArray, head: xr.DataArray) -> Diff
     axis = base.dims.index(time)
     first = int(np.flatnonzero(np.moveaxis(differs, axis, 0).reshape(differs.shape[axis], -1).any(axis=1))[0])
     at = {time: first}
-    return _at(name, base.isel(at), np.take(b, first, axis), np.take(h, first, axis), np.take(differs, first, axis),
-               int(to_python(base[time].values[first])))
+    return _at(
+        name,
+        base.isel(at),
+        np.take(b, first, axis),
+        np.take(h, first, axis),
+        np.take(differs, first, axis),
+        int(to_python(base[time].values[first])),
+    )
 
 
-def _at(name: str, base: xr.DataArray, b: np.ndarray, h: np.ndarray, differs: np.ndarray,
-        step: int | None) -> Difference:
+def _at(
+    name: str, base: xr.DataArray, b: np.ndarray, h: np.ndarray, differs: np.ndarray, step: int | None
+) -> Difference:
     if b.dtype == object:  # words: the first that differs
         size = differs.astype(np.float64)
     else:

@@ -56,16 +56,32 @@ class Finding:
     @classmethod
     def error(cls, case: str, metric: str, message: str) -> Finding:
         """A check of `metric` that could not be made (no numbers); the message names the case."""
-        return cls(case=case, kind="error", metric=metric, where={}, value=math.nan, reference=math.nan,
-                   tolerance=math.nan, message=f"{case}: {message}")
+        return cls(
+            case=case,
+            kind="error",
+            metric=metric,
+            where={},
+            value=math.nan,
+            reference=math.nan,
+            tolerance=math.nan,
+            message=f"{case}: {message}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict; non-finite numbers become the strings "nan", "inf", "-inf"."""
-        return {"case": self.case, "kind": self.kind, "metric": self.metric,
-                "where": dict(self.where), "value": _json_number(self.value),
-                "reference": _json_number(self.reference),
-                "tolerance": _json_number(self.tolerance), "score": _json_number(self.score),
-                "message": self.message, "rule": self.rule, "known": self.known}
+        return {
+            "case": self.case,
+            "kind": self.kind,
+            "metric": self.metric,
+            "where": dict(self.where),
+            "value": _json_number(self.value),
+            "reference": _json_number(self.reference),
+            "tolerance": _json_number(self.tolerance),
+            "score": _json_number(self.score),
+            "message": self.message,
+            "rule": self.rule,
+            "known": self.known,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +96,13 @@ class CaseVerdict:
     known: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"case": self.case, "status": self.status, "known": self.known,
-                "findings": [f.to_dict() for f in self.findings], "charts": list(self.charts)}
+        return {
+            "case": self.case,
+            "status": self.status,
+            "known": self.known,
+            "findings": [f.to_dict() for f in self.findings],
+            "charts": list(self.charts),
+        }
 
 
 def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) -> CaseVerdict:
@@ -103,8 +124,13 @@ def verdict(case: str, findings: Iterable[Finding], charts: Iterable[str] = ()) 
         status = "pass"
     # the finding that decided first: what the command line prints, the report and summary.md lead with
     ordered = tuple(sorted(findings, key=lambda f: severity(f.kind, f.score, f.known, f.tolerance)))
-    return CaseVerdict(case=case, status=status, findings=ordered, charts=tuple(str(c) for c in charts),
-                       known="; ".join(reasons) if status == "known" else "")
+    return CaseVerdict(
+        case=case,
+        status=status,
+        findings=ordered,
+        charts=tuple(str(c) for c in charts),
+        known="; ".join(reasons) if status == "known" else "",
+    )
 
 
 def severity(kind: str, score: Any, known: str = "", tolerance: Any = math.nan) -> tuple[bool, float]:
@@ -155,4 +181,3 @@ def _json_number(value: float) -> float | str:
 def to_python(value: Any) -> Any:
     """A numpy scalar as the plain Python value (for `where` dicts and JSON)."""
     return value.item() if isinstance(value, np.generic) else value
-

@@ -45,7 +45,9 @@ from precision_suite.verdicts.ensemble.first_point import FIRST_STEP_SAFETY
 from precision_suite.verdicts.ensemble.series import numel_like, time_dim
 from precision_suite.verdicts.findings import TIME_DIMS
 
-HISTORY_SCHEMA_VERSION = 1  # the record layout below; bump on any change (jobs/history_store.py refuses others)
+HISTORY_SCHEMA_VERSION = (
+    1  # the record layout below; bump on any change (jobs/history_store.py refuses others)
+)
 HEADLINE_METRICS = ("attention_norm", "underflow", "distortion", "loss")
 KINDS = ("trained", "replay")
 
@@ -60,8 +62,13 @@ def _last_point(da: xr.DataArray) -> xr.DataArray:
     return da.isel({time_dim(da): -1}, drop=True)
 
 
-def summarize(run: xr.Dataset, *, ensemble: xr.Dataset | None = None, replay: xr.Dataset | None = None,
-              stored_replay: xr.Dataset | None = None) -> xr.Dataset:
+def summarize(
+    run: xr.Dataset,
+    *,
+    ensemble: xr.Dataset | None = None,
+    replay: xr.Dataset | None = None,
+    stored_replay: xr.Dataset | None = None,
+) -> xr.Dataset:
     """The record of `run` (module docstring), with its noise from the case's baseline `ensemble`
     and the replay delta of `replay` against `stored_replay` when given."""
     with warnings.catch_warnings():
@@ -69,8 +76,9 @@ def summarize(run: xr.Dataset, *, ensemble: xr.Dataset | None = None, replay: xr
         return _summarize(run, ensemble, replay, stored_replay)
 
 
-def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset | None,
-               stored_replay: xr.Dataset | None) -> xr.Dataset:
+def _summarize(
+    run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset | None, stored_replay: xr.Dataset | None
+) -> xr.Dataset:
     variables: dict[str, xr.DataArray] = {}
     for metric in HEADLINE_METRICS:
         if metric not in run.data_vars or not any(d in TIME_DIMS for d in run[metric].dims):
@@ -78,17 +86,27 @@ def _summarize(run: xr.Dataset, ensemble: xr.Dataset | None, replay: xr.Dataset 
         da = run[metric].astype(np.float64)
         median = _trained_median(da)
         variables[f"trained_{metric}"] = median.assign_attrs(
-            description=f"median of {metric} over the run's finite trained points")
+            description=f"median of {metric} over the run's finite trained points"
+        )
         along = time_dim(da)
         # measured: any point is a number or Inf, the first (untrained) one included, so that a run
         # whose every trained point is NaN counts as diverged, not as unmeasured
-        variables[f"trained_{metric}_nonfinite"] = (~np.isfinite(da.isel({along: slice(1, None)}))).mean(along).where(
-            da.notnull().any(along)).assign_attrs(
-            description="fraction of the trained points that are NaN or Inf (NaN: a cell the run does not measure)")
+        variables[f"trained_{metric}_nonfinite"] = (
+            (~np.isfinite(da.isel({along: slice(1, None)})))
+            .mean(along)
+            .where(da.notnull().any(along))
+            .assign_attrs(
+                description="fraction of the trained points that are NaN or Inf (NaN: a cell the run does not measure)"
+            )
+        )
         if ensemble is not None and metric in ensemble.data_vars and "seed" in ensemble[metric].dims:
             variables.update(_trained_noise(metric, ensemble, median))
-        if replay is not None and stored_replay is not None and metric in replay.data_vars \
-                and metric in stored_replay.data_vars:
+        if (
+            replay is not None
+            and stored_replay is not None
+            and metric in replay.data_vars
+            and metric in stored_replay.data_vars
+        ):
             variables.update(_replay_delta(metric, replay, stored_replay))
     if "numel" in run.data_vars:
         variables["numel"] = run["numel"]
@@ -109,27 +127,40 @@ def _trained_noise(metric: str, ensemble: xr.Dataset, like: xr.DataArray) -> dic
     pooled = var.mean(pool).broadcast_like(var)  # NaN where no cell of the pool is measured
     dof = dof_cell.where(var.notnull()).sum(pool).broadcast_like(var)
     floor = SPACES[metric].detection_min_spread
-    noise = np.sqrt(np.fmax(np.fmax(var.fillna(0.0), pooled), floor ** 2)).where(pooled.notnull())
-    return {f"trained_{metric}_noise": noise.transpose(*like.dims).assign_attrs(
-                description=f"spread of the baseline seeds' trained medians (at least their pool's), in "
-                            f"{metric}'s detection space"),
-            f"trained_{metric}_noise_dof": dof.where(noise.notnull()).transpose(*like.dims).assign_attrs(
-                description="degrees of freedom of the pooled spread")}
+    noise = np.sqrt(np.fmax(np.fmax(var.fillna(0.0), pooled), floor**2)).where(pooled.notnull())
+    return {
+        f"trained_{metric}_noise": noise.transpose(*like.dims).assign_attrs(
+            description=f"spread of the baseline seeds' trained medians (at least their pool's), in "
+            f"{metric}'s detection space"
+        ),
+        f"trained_{metric}_noise_dof": dof.where(noise.notnull())
+        .transpose(*like.dims)
+        .assign_attrs(description="degrees of freedom of the pooled spread"),
+    }
 
 
 def _replay_delta(metric: str, replay: xr.Dataset, stored: xr.Dataset) -> dict[str, xr.DataArray]:
-    current, reference = xr.align(_last_point(replay[metric].astype(np.float64)),
-                                  _last_point(stored[metric].astype(np.float64)), join="inner")
+    current, reference = xr.align(
+        _last_point(replay[metric].astype(np.float64)),
+        _last_point(stored[metric].astype(np.float64)),
+        join="inner",
+    )
     n = numel_like(replay, current, metric)
     space = SPACES[metric]
     delta = space.detection(current.values, n) - space.detection(reference.values, n)
     if space.is_count:
-        noise = max(float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)),
-                    space.detection_min_spread)
+        noise = max(
+            float(json.loads(stored.attrs.get("replay_count_noise", "{}")).get(metric, 0.0)),
+            space.detection_min_spread,
+        )
     else:
         tolerance = json.loads(stored.attrs.get("replay_tolerance", "{}")).get(metric)
         noise = max(float(tolerance) / FIRST_STEP_SAFETY, space.min_spread) if tolerance else math.nan
-    return {f"replay_{metric}_delta": current.copy(data=delta).assign_attrs(
-                description=f"the replay's last point minus the stored replay's, in {metric}'s detection space"),
-            f"replay_{metric}_noise": current.copy(data=np.full(current.shape, noise)).assign_attrs(
-                description="the largest change the rounding twins made to the stored replay")}
+    return {
+        f"replay_{metric}_delta": current.copy(data=delta).assign_attrs(
+            description=f"the replay's last point minus the stored replay's, in {metric}'s detection space"
+        ),
+        f"replay_{metric}_noise": current.copy(data=np.full(current.shape, noise)).assign_attrs(
+            description="the largest change the rounding twins made to the stored replay"
+        ),
+    }

@@ -65,11 +65,12 @@ class Step:
         if self.nonfinite:
             return f"{self.series}: NaN or Inf at {self.after:.0%} of the trained points (before: {self.before:.0%})"
         unit = "" if self.kind == "trained" else " noise units"
-        return (f"{self.series}: {self.before:.4g} -> {self.after:.4g}{unit} "
-                f"({self.size:+.1f} noise units)")
+        return f"{self.series}: {self.before:.4g} -> {self.after:.4g}{unit} ({self.size:+.1f} noise units)"
 
 
-def step_penalty(n_series: int, n_epochs: int, dof: float = math.inf, rate: float = FALSE_ALARM_RATE) -> float:
+def step_penalty(
+    n_series: int, n_epochs: int, dof: float = math.inf, rate: float = FALSE_ALARM_RATE
+) -> float:
     """PELT's penalty per change, in squared noise units (module docstring): the two-sided
     quantile, Bonferroni-corrected over `n_series` series and the `n_epochs - 1` places a change
     can go, of the normal distribution for a known noise level, of Student's t with `dof` degrees
@@ -143,7 +144,12 @@ def _variable_series(history: xr.Dataset, kind: str, metric: str, name: str) -> 
         full = f"{kind}_{metric}_{suffix}"
         return columns(history[full]) if full in history.data_vars else None
 
-    values, noise, dof, nonfinite = columns(da), variable("noise"), variable("noise_dof"), variable("nonfinite")
+    values, noise, dof, nonfinite = (
+        columns(da),
+        variable("noise"),
+        variable("noise_dof"),
+        variable("nonfinite"),
+    )
     levels = np.full(values.shape[1], np.nan) if noise is None else np.nanmedian(noise, axis=0)
     if kind == "trained":
         numel = columns(numel_like(history, da, metric))
@@ -153,15 +159,25 @@ def _variable_series(history: xr.Dataset, kind: str, metric: str, name: str) -> 
     coords = [da[d].values for d in groups]
     for k, index in enumerate(np.ndindex(*[da.sizes[d] for d in groups])):
         broken = None if nonfinite is None else nonfinite[:, k]
-        if not np.isfinite(values[:, k]).any() and not (broken is not None and np.nanmax(broken, initial=0) > 0):
+        if not np.isfinite(values[:, k]).any() and not (
+            broken is not None and np.nanmax(broken, initial=0) > 0
+        ):
             continue
         where = {d: to_python(c[i]) for d, c, i in zip(groups, coords, index)}
         level = float(levels[k])
         if kind == "trained":
             found.append(Series(kind, metric, where, values[:, k], y[:, k], level, float(dofs[k]), broken))
         else:
-            found.append(Series(kind, metric, where, values[:, k] / level if level > 0 else values[:, k] * np.nan,
-                                values[:, k], level))
+            found.append(
+                Series(
+                    kind,
+                    metric,
+                    where,
+                    values[:, k] / level if level > 0 else values[:, k] * np.nan,
+                    values[:, k],
+                    level,
+                )
+            )
     return found
 
 
@@ -172,12 +188,23 @@ def find_steps(series: Sequence[Series], rate: float = FALSE_ALARM_RATE) -> list
     searched = [s for s in series if s.noise > 0]
     steps = [step for s in series for step in _nonfinite_steps(s)]
     for s in searched:
-        changes = change_points(s.y, s.noise, functools.partial(step_penalty, len(searched), dof=s.dof, rate=rate))
+        changes = change_points(
+            s.y, s.noise, functools.partial(step_penalty, len(searched), dof=s.dof, rate=rate)
+        )
         bounds = [0, *changes, s.y.size]
         for i, index in enumerate(changes, start=1):
             before, after = slice(bounds[i - 1], index), slice(index, bounds[i + 1])
-            steps.append(Step(s.kind, s.metric, s.where, index, _median(s.shown[before]), _median(s.shown[after]),
-                              (_median(s.y[after]) - _median(s.y[before])) / s.noise))
+            steps.append(
+                Step(
+                    s.kind,
+                    s.metric,
+                    s.where,
+                    index,
+                    _median(s.shown[before]),
+                    _median(s.shown[after]),
+                    (_median(s.y[after]) - _median(s.y[before])) / s.noise,
+                )
+            )
     return sorted(steps, key=lambda step: -abs(step.size))
 
 
@@ -187,8 +214,11 @@ def _nonfinite_steps(s: Series) -> list[Step]:
     if s.nonfinite is None:
         return []
     measured = np.flatnonzero(np.isfinite(s.nonfinite))
-    return [Step(s.kind, s.metric, s.where, int(i), float(s.nonfinite[j]), float(s.nonfinite[i]), math.inf)
-            for j, i in zip(measured[:-1], measured[1:]) if s.nonfinite[i] > 0 and s.nonfinite[j] == 0]
+    return [
+        Step(s.kind, s.metric, s.where, int(i), float(s.nonfinite[j]), float(s.nonfinite[i]), math.inf)
+        for j, i in zip(measured[:-1], measured[1:])
+        if s.nonfinite[i] > 0 and s.nonfinite[j] == 0
+    ]
 
 
 def _median(values: np.ndarray) -> float:
@@ -209,8 +239,14 @@ class CaseHistory:
     steps: list[Step]
 
 
-def case_history(case: str, host: str, host_label: str, commits: list[dict[str, Any]], data: xr.Dataset,
-                 rate: float = FALSE_ALARM_RATE) -> CaseHistory:
+def case_history(
+    case: str,
+    host: str,
+    host_label: str,
+    commits: list[dict[str, Any]],
+    data: xr.Dataset,
+    rate: float = FALSE_ALARM_RATE,
+) -> CaseHistory:
     """The history of one case on one host: its records along `commit`, oldest first."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells: series some commits lack

@@ -31,12 +31,20 @@ from precision_suite.verdicts.stored_replays import compare_replay, mark_replaye
 from precision_suite.verdicts.tolerances import compare as compare_single_run
 
 
-def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequence[Any] = (),
-               case_rules: Sequence[Any] = (), tolerances: Any = None,
-               known: Sequence[KnownViolation] = (),
-               obtained_path: str | Path | None = None,
-               regen_hint: str = "", extra_findings: Sequence[Finding] = (),
-               replay: xr.Dataset | None = None, stored_replay: xr.Dataset | None = None) -> CaseVerdict:
+def judge_case(
+    current: xr.Dataset,
+    reference: xr.Dataset | None,
+    *,
+    rules: Sequence[Any] = (),
+    case_rules: Sequence[Any] = (),
+    tolerances: Any = None,
+    known: Sequence[KnownViolation] = (),
+    obtained_path: str | Path | None = None,
+    regen_hint: str = "",
+    extra_findings: Sequence[Finding] = (),
+    replay: xr.Dataset | None = None,
+    stored_replay: xr.Dataset | None = None,
+) -> CaseVerdict:
     """The verdict of one run. `rules` apply where they match (project rules); `case_rules` were
     written for this case, so one that matches nothing is an error. `reference` with a `seed`
     dimension is judged by `compare_ensemble`, a single run by `tolerances.compare`;
@@ -52,13 +60,17 @@ def judge_case(current: xr.Dataset, reference: xr.Dataset | None, *, rules: Sequ
             findings += compare_single_run(current, reference, tolerances)
     if stored_replay is not None:
         if replay is None:
-            findings.append(Finding.error(case, "replay", "a stored replay exists but the replay was not run"))
+            findings.append(
+                Finding.error(case, "replay", "a stored replay exists but the replay was not run")
+            )
         else:
             findings += compare_replay(replay, stored_replay, regen_hint)
     findings += observed.check_expected(current)
     findings += check_operands(current, case)
     if replay is not None:
-        findings += [mark_replayed(f, int(replay.attrs["replayed_from"])) for f in check_operands(replay, case)]
+        findings += [
+            mark_replayed(f, int(replay.attrs["replayed_from"])) for f in check_operands(replay, case)
+        ]
     findings += check_rules(current, rules, case)
     findings += check_rules(current, case_rules, case, strict=True)
     outcome = verdict(case, excuse(findings, known))
@@ -75,9 +87,11 @@ def known_violations(given: KnownViolation | Iterable[KnownViolation] | None) ->
     listed = tuple(given) if isinstance(given, Iterable) and not isinstance(given, str) else (given,)
     for item in listed:
         if not isinstance(item, KnownViolation):
-            raise ValueError(f"known violation {item!r} does not name what it excuses; write "
-                             "KnownViolation(reason, rule='underflow <= 1e-3 @ tensor=gradient') or "
-                             "KnownViolation(reason, metric='underflow', where={'tensor': 'gradient'})")
+            raise ValueError(
+                f"known violation {item!r} does not name what it excuses; write "
+                "KnownViolation(reason, rule='underflow <= 1e-3 @ tensor=gradient') or "
+                "KnownViolation(reason, metric='underflow', where={'tensor': 'gradient'})"
+            )
         if item.rule:
             try:
                 parse_rule(item.rule)
@@ -90,22 +104,36 @@ def excuse(findings: Iterable[Finding], known: Iterable[KnownViolation]) -> list
     """`findings`, each threshold finding that a known violation names marked with its reason
     (and saying so in its message); every other finding as it was."""
     # rules compare in their printed form: "1e-3" in a known violation names the rule "0.001"
-    named = [(violation, str(parse_rule(violation.rule)) if violation.rule else "")
-             for violation in known_violations(known)]
+    named = [
+        (violation, str(parse_rule(violation.rule)) if violation.rule else "")
+        for violation in known_violations(known)
+    ]
     marked = []
     for finding in findings:
-        violation = next((v for v, rule in named if finding.kind == "threshold"
-                          and (finding.rule == rule if rule else _names_metric(v, finding))), None)
+        violation = next(
+            (
+                v
+                for v, rule in named
+                if finding.kind == "threshold"
+                and (finding.rule == rule if rule else _names_metric(v, finding))
+            ),
+            None,
+        )
         if violation is not None:
-            finding = dataclasses.replace(finding, known=violation.reason,
-                                          message=f"{finding.message} (known violation: {violation.reason})")
+            finding = dataclasses.replace(
+                finding,
+                known=violation.reason,
+                message=f"{finding.message} (known violation: {violation.reason})",
+            )
         marked.append(finding)
     return marked
 
 
 def _names_metric(violation: KnownViolation, finding: Finding) -> bool:
     return finding.metric == violation.metric and all(
-        key in finding.where and str(finding.where[key]) == str(value) for key, value in violation.where.items())
+        key in finding.where and str(finding.where[key]) == str(value)
+        for key, value in violation.where.items()
+    )
 
 
 def blocks(outcome: CaseVerdict) -> bool:

@@ -39,8 +39,10 @@ _NAMED_MODULES = 3  # a change shared by more modules names this many of them, t
 def check_recipes(current: xr.Dataset, reference: xr.Dataset, regen_hint: str = "") -> list[Finding]:
     """Findings where the suite's recipe or the observed recipe of `current` differs from
     `reference`'s (module docstring)."""
-    return [*check_trained_recipe(current, reference, regen_hint),
-            *check_observed_recipe(current, reference, regen_hint)]
+    return [
+        *check_trained_recipe(current, reference, regen_hint),
+        *check_observed_recipe(current, reference, regen_hint),
+    ]
 
 
 def check_trained_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint: str = "") -> list[Finding]:
@@ -61,9 +63,17 @@ def check_trained_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint:
         for (key, before, now), modules in changes.items():
             gemm, _, side = key.partition(".")
             what = f"operand {side}" if side else "accumulation"
-            findings.append(_finding(case, name, {"module": modules[0], along: key}, np.nan, np.nan,
-                                     f"{_modules_text(modules)} {gemm} {what}: {before or NOT_OBSERVED} -> "
-                                     f"{now or NOT_OBSERVED} in the suite's recipe the run trained with{after}"))
+            findings.append(
+                _finding(
+                    case,
+                    name,
+                    {"module": modules[0], along: key},
+                    np.nan,
+                    np.nan,
+                    f"{_modules_text(modules)} {gemm} {what}: {before or NOT_OBSERVED} -> "
+                    f"{now or NOT_OBSERVED} in the suite's recipe the run trained with{after}",
+                )
+            )
     return findings
 
 
@@ -84,24 +94,51 @@ def check_observed_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint
         step = differences[0][0]
         at_step = [(gemm, b, c) for s, gemm, b, c in differences if s == step]
         changed_gemms.update((module, gemm, s) for s, gemm, _, _ in differences)
-        before, now = (sum(int(v) for v in _row(ds, "observed_gemms", module, step)) for ds in (reference, current))
+        before, now = (
+            sum(int(v) for v in _row(ds, "observed_gemms", module, step)) for ds in (reference, current)
+        )
         detail = ", ".join(f"{gemm} {b} -> {c}" for gemm, b, c in at_step)
-        findings.append(_finding(case, "observed_gemms", {"module": module, "step": step}, now, before,
-                                 f"{module}: scaled GEMMs observed {before} -> {now} at step {step} ({detail})"
-                                 f"{_later(differences)}{after}"))
+        findings.append(
+            _finding(
+                case,
+                "observed_gemms",
+                {"module": module, "step": step},
+                now,
+                before,
+                f"{module}: scaled GEMMs observed {before} -> {now} at step {step} ({detail})"
+                f"{_later(differences)}{after}",
+            )
+        )
     for module, differences in _differences(current, reference, "observed_accumulation", "gemm", steps, ""):
         step, gemm, before, now = differences[0]
         if (module, gemm, step) in changed_gemms:
             continue  # the GEMM itself came or went: said above
-        findings.append(_finding(case, "observed_accumulation", {"module": module, "gemm": gemm, "step": step},
-                                 np.nan, np.nan, f"{module} {gemm} accumulation: {before or NOT_OBSERVED} -> "
-                                 f"{now or NOT_OBSERVED} at step {step}{_later(differences)}{after}"))
-    recipe_changes = [(m, d) for m, d in _differences(current, reference, "observed_format", "operand", steps, "")]
-    recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_block", "operand", steps, "")]
-    recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_scale", "operand", steps, "")]
-    if "observed_target" in current and "observed_target" in reference:  # a reference from before targets: none
-        recipe_changes += [(m, d) for m, d in _differences(current, reference, "observed_target", "operand", steps,
-                                                           math.nan)]
+        findings.append(
+            _finding(
+                case,
+                "observed_accumulation",
+                {"module": module, "gemm": gemm, "step": step},
+                np.nan,
+                np.nan,
+                f"{module} {gemm} accumulation: {before or NOT_OBSERVED} -> "
+                f"{now or NOT_OBSERVED} at step {step}{_later(differences)}{after}",
+            )
+        )
+    recipe_changes = [
+        (m, d) for m, d in _differences(current, reference, "observed_format", "operand", steps, "")
+    ]
+    recipe_changes += [
+        (m, d) for m, d in _differences(current, reference, "observed_block", "operand", steps, "")
+    ]
+    recipe_changes += [
+        (m, d) for m, d in _differences(current, reference, "observed_scale", "operand", steps, "")
+    ]
+    if (
+        "observed_target" in current and "observed_target" in reference
+    ):  # a reference from before targets: none
+        recipe_changes += [
+            (m, d) for m, d in _differences(current, reference, "observed_target", "operand", steps, math.nan)
+        ]
     reported: set[tuple[str, str]] = set()
     for module, differences in recipe_changes:
         for step, operand, _, _ in differences:
@@ -110,9 +147,16 @@ def check_observed_recipe(current: xr.Dataset, reference: xr.Dataset, regen_hint
             reported.add((module, operand))
             before, now = (_operand_text(ds, module, operand, step) for ds in (reference, current))
             gemm, side = operand.split(".")
-            findings.append(_finding(case, "observed_format", {"module": module, "operand": operand, "step": step},
-                                     np.nan, np.nan, f"{module} {gemm} operand {side}: {before} -> {now} at step "
-                                     f"{step}{after}"))
+            findings.append(
+                _finding(
+                    case,
+                    "observed_format",
+                    {"module": module, "operand": operand, "step": step},
+                    np.nan,
+                    np.nan,
+                    f"{module} {gemm} operand {side}: {before} -> {now} at step {step}{after}",
+                )
+            )
     return findings
 
 
@@ -126,24 +170,43 @@ def check_expected(current: xr.Dataset) -> list[Finding]:
     findings = []
     for pattern, _ in expect:
         if not fnmatch.filter(modules, pattern):
-            findings.append(Finding.error(case, "observed_format",
-                                          f"expect {pattern!r} matches no module of the run "
-                                          f"({', '.join(modules[:8]) or 'none'}{', ...' if len(modules) > 8 else ''})"))
+            findings.append(
+                Finding.error(
+                    case,
+                    "observed_format",
+                    f"expect {pattern!r} matches no module of the run "
+                    f"({', '.join(modules[:8]) or 'none'}{', ...' if len(modules) > 8 else ''})",
+                )
+            )
     for module in modules:
-        pattern, recipe_name = next(((p, r) for p, r in expect if fnmatch.fnmatchcase(module, p)), (None, None))
+        pattern, recipe_name = next(
+            ((p, r) for p, r in expect if fnmatch.fnmatchcase(module, p)), (None, None)
+        )
         if pattern is None:
             continue
         rule = f"expect {pattern} = {recipe_name}"
         observed = {operand: _observed_texts(current, module, operand) for operand in GEMM_OPERANDS}
         quantized = any(text != HIGH_PRECISION for texts, _, _ in observed.values() for text in texts)
         if recipe_name != HIGH_PRECISION and not quantized:
-            cast = int(current["observed_unconsumed"].sel(module=module).sum()) \
-                if "observed_unconsumed" in current else 0
-            what = (f"{cast:,} elements were cast to 8-bit floats in it, but no GEMM observed consumed them"
-                    if cast else "no cast to an 8-bit float and no scaled GEMM was observed in it")
-            findings.append(_expected(case, module, None, rule,
-                                      f"{module} is expected to quantize as {recipe_name} but quantizes nothing: "
-                                      f"{what}"))
+            cast = (
+                int(current["observed_unconsumed"].sel(module=module).sum())
+                if "observed_unconsumed" in current
+                else 0
+            )
+            what = (
+                f"{cast:,} elements were cast to 8-bit floats in it, but no GEMM observed consumed them"
+                if cast
+                else "no cast to an 8-bit float and no scaled GEMM was observed in it"
+            )
+            findings.append(
+                _expected(
+                    case,
+                    module,
+                    None,
+                    rule,
+                    f"{module} is expected to quantize as {recipe_name} but quantizes nothing: {what}",
+                )
+            )
             continue
         recipe = None if recipe_name == HIGH_PRECISION else get_recipe(recipe_name)
         for operand, (texts, blocks, shapes) in observed.items():
@@ -151,9 +214,16 @@ def check_expected(current: xr.Dataset) -> list[Finding]:
             if not _matches(wanted, texts, blocks, shapes):
                 gemm, side = operand.split(".")
                 shown = "|".join(texts) or NOT_OBSERVED
-                findings.append(_expected(case, module, operand, rule,
-                                          f"{module} {gemm} operand {side}: expected {_wanted_text(wanted)} "
-                                          f"({recipe_name}), observed {shown}"))
+                findings.append(
+                    _expected(
+                        case,
+                        module,
+                        operand,
+                        rule,
+                        f"{module} {gemm} operand {side}: expected {_wanted_text(wanted)} "
+                        f"({recipe_name}), observed {shown}",
+                    )
+                )
     return findings
 
 
@@ -171,7 +241,9 @@ def _empty(value: Any, empty: Any) -> bool:
     return value == empty
 
 
-def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None, empty: Any) -> dict[tuple, Any]:
+def _table(
+    ds: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None, empty: Any
+) -> dict[tuple, Any]:
     """(step, module, along-value) -> value of variable `name`; absent cells read as `empty`.
     `steps` None: a variable without a step dimension (its step reads None)."""
     if name not in ds:
@@ -191,8 +263,9 @@ def _table(ds: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None, e
     return table
 
 
-def _differences(current: xr.Dataset, reference: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None,
-                 empty: Any) -> Iterator[tuple[str, list[tuple[Any, str, Any, Any]]]]:
+def _differences(
+    current: xr.Dataset, reference: xr.Dataset, name: str, along: str, steps: Sequence[Any] | None, empty: Any
+) -> Iterator[tuple[str, list[tuple[Any, str, Any, Any]]]]:
     """Per module whose variable `name` differs: [(step, along-value, reference, current), ...],
     earliest first (`steps` None: no step dimension)."""
     now, before = _table(current, name, along, steps, empty), _table(reference, name, along, steps, empty)
@@ -212,24 +285,30 @@ def _row(ds: xr.Dataset, name: str, module: str, step: Any) -> list[Any]:
 
 
 def _operand_text(ds: xr.Dataset, module: str, operand: str, step: Any) -> str:
-    """"e4m3:row (1x64, float32 pow2, target 1.0)": format, block, scale kind and scale target of
+    """ "e4m3:row (1x64, float32 pow2, target 1.0)": format, block, scale kind and scale target of
     one operand at one step ("fp32": taken unquantized)."""
     if "observed_format" not in ds or module not in ds["module"].values:
         return NOT_OBSERVED
-    cell = {name: str(ds[name].sel(step=step, module=module, operand=operand).values)
-            for name in ("observed_format", "observed_block", "observed_scale") if name in ds}
+    cell = {
+        name: str(ds[name].sel(step=step, module=module, operand=operand).values)
+        for name in ("observed_format", "observed_block", "observed_scale")
+        if name in ds
+    }
     if not cell.get("observed_format"):
         return NOT_OBSERVED
     if cell["observed_format"] == HIGH_PRECISION:
         return HIGH_PRECISION
-    target = float(ds["observed_target"].sel(step=step, module=module, operand=operand)) \
-        if "observed_target" in ds else math.nan
+    target = (
+        float(ds["observed_target"].sel(step=step, module=module, operand=operand))
+        if "observed_target" in ds
+        else math.nan
+    )
     shown = "" if math.isnan(target) else f", target {target:g}"
     return f"{cell['observed_format']} ({cell.get('observed_block', '?')}, {cell.get('observed_scale', '?')}{shown})"
 
 
 def _modules_text(modules: Sequence[str]) -> str:
-    """"blocks.0.fc1" or "blocks.0.fc1, blocks.0.fc2, blocks.1.fc1 and 5 more modules"."""
+    """ "blocks.0.fc1" or "blocks.0.fc1, blocks.0.fc2, blocks.1.fc1 and 5 more modules"."""
     if len(modules) <= _NAMED_MODULES:
         return ", ".join(modules)
     return f"{', '.join(modules[:_NAMED_MODULES])} and {len(modules) - _NAMED_MODULES} more modules"
@@ -237,7 +316,11 @@ def _modules_text(modules: Sequence[str]) -> str:
 
 def _later(differences: Sequence[tuple]) -> str:
     steps = sorted({d[0] for d in differences})
-    return f" (and at {len(steps) - 1} later sampled step{'s' if len(steps) > 2 else ''})" if len(steps) > 1 else ""
+    return (
+        f" (and at {len(steps) - 1} later sampled step{'s' if len(steps) > 2 else ''})"
+        if len(steps) > 1
+        else ""
+    )
 
 
 def _observed_texts(ds: xr.Dataset, module: str, operand: str) -> tuple[list[str], list[str], list[str]]:
@@ -252,7 +335,9 @@ def _observed_texts(ds: xr.Dataset, module: str, operand: str) -> tuple[list[str
     return list(texts), list(blocks), list(shapes)
 
 
-def _matches(wanted: Operand, texts: Sequence[str], blocks: Sequence[str], shapes: Sequence[str] = ()) -> bool:
+def _matches(
+    wanted: Operand, texts: Sequence[str], blocks: Sequence[str], shapes: Sequence[str] = ()
+) -> bool:
     """Whether every observed quantization of an operand is the expected one: the same element
     format and the same scaling (a layout word row/column/tensor as observed, or a block shape
     as the block one scale covers, clipped to the operand where its shape is known: a 1x128 tile
@@ -278,12 +363,16 @@ def _wanted_text(wanted: Operand) -> str:
     return "fp32 (not quantized)" if wanted.fmt == HIGH_PRECISION else wanted.text()
 
 
-def _finding(case: str, metric: str, where: dict[str, Any], value: float, reference: float,
-             message: str) -> Finding:
-    return Finding(case, "regression", metric, where, float(value), float(reference), np.nan, f"{case}: {message}")
+def _finding(
+    case: str, metric: str, where: dict[str, Any], value: float, reference: float, message: str
+) -> Finding:
+    return Finding(
+        case, "regression", metric, where, float(value), float(reference), np.nan, f"{case}: {message}"
+    )
 
 
 def _expected(case: str, module: str, operand: str | None, rule: str, message: str) -> Finding:
     where = {"module": module, **({"operand": operand} if operand else {})}
-    return Finding(case, "threshold", "observed_format", where, np.nan, np.nan, np.nan, f"{case}: {message}",
-                   rule=rule)
+    return Finding(
+        case, "threshold", "observed_format", where, np.nan, np.nan, np.nan, f"{case}: {message}", rule=rule
+    )

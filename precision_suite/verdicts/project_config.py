@@ -43,15 +43,21 @@ def load_project_config(pyproject: str | Path) -> ProjectConfig:
     table = read_project_table(pyproject)
     unknown = sorted(set(table) - set(CONFIG_KEYS))
     if unknown:
-        raise ValueError(f"{pyproject}: [tool.precision_suite] has unknown key(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(CONFIG_KEYS)}")
+        raise ValueError(
+            f"{pyproject}: [tool.precision_suite] has unknown key(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(CONFIG_KEYS)}"
+        )
     rules = table.get("rules", [])
     if not isinstance(rules, list):
         raise ValueError(f"{pyproject}: [tool.precision_suite] rules must be a list of strings or tables")
     strict = table.get("diff_strict", False)
     if not isinstance(strict, bool):
-        raise ValueError(f"{pyproject}: [tool.precision_suite] diff_strict must be true or false, got {strict!r}")
+        raise ValueError(
+            f"{pyproject}: [tool.precision_suite] diff_strict must be true or false, got {strict!r}"
+        )
     try:
-        return ProjectConfig(rules=parse_rules(rules), tolerances=tolerances_from_config(table), diff_strict=strict)
+        return ProjectConfig(
+            rules=parse_rules(rules), tolerances=tolerances_from_config(table), diff_strict=strict
+        )
     except ValueError as err:
         raise ValueError(f"{pyproject}: [tool.precision_suite] {err}") from None

@@ -67,8 +67,11 @@ class GrowthRule:
 
 Rule = BoundRule | GrowthRule
 
-_RULE_RE = re.compile(r"""^\s*(?:growth\(\s*(?P<growth>\w+)\s*\)|(?P<metric>\w+))\s*
-                          (?P<op><=|>=)\s*(?P<bound>[^@]+?)\s*(?:@(?P<select>.*))?$""", re.X)
+_RULE_RE = re.compile(
+    r"""^\s*(?:growth\(\s*(?P<growth>\w+)\s*\)|(?P<metric>\w+))\s*
+                          (?P<op><=|>=)\s*(?P<bound>[^@]+?)\s*(?:@(?P<select>.*))?$""",
+    re.X,
+)
 
 _DICT_BOUND_KEYS = {"max": "<=", "min": ">="}
 
@@ -85,8 +88,9 @@ def parse_rule(rule: str | Mapping[str, Any] | Rule) -> Rule:
         return _parse_rule_text(rule)
     if isinstance(rule, Mapping):
         return _parse_rule_table(rule)
-    raise ValueError(f"a rule must be a string like 'underflow <= 1e-3 @ tensor=gradient' or a table, "
-                     f"got {rule!r}")
+    raise ValueError(
+        f"a rule must be a string like 'underflow <= 1e-3 @ tensor=gradient' or a table, got {rule!r}"
+    )
 
 
 def parse_rules(rules: Iterable[str | Mapping[str, Any] | Rule] | None) -> tuple[Rule, ...]:
@@ -102,8 +106,10 @@ def parse_rules(rules: Iterable[str | Mapping[str, Any] | Rule] | None) -> tuple
 def _parse_rule_text(text: str) -> Rule:
     match = _RULE_RE.match(text)
     if not match:
-        raise ValueError("expected 'metric <= bound', 'metric >= bound' or 'growth(metric) <= factor', "
-                         "optionally followed by '@ key=value, ...'")
+        raise ValueError(
+            "expected 'metric <= bound', 'metric >= bound' or 'growth(metric) <= factor', "
+            "optionally followed by '@ key=value, ...'"
+        )
     select: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in (match["select"] or "").split(","))):
         key, sep, value = part.partition("=")
@@ -185,8 +191,13 @@ def _rule_text(metric: str, op: str, bound: float | str, select: Selector, steps
 
 _FUNCTIONS = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp, "min": min, "max": max}
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
@@ -201,15 +212,20 @@ def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
     def walk(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
-                and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             return float(node.value)
         if isinstance(node, ast.Name):
             if names is None:
                 return math.nan
             if node.id not in names:
-                raise ValueError(f"bound {text!r}: unknown name {node.id!r}; this run provides "
-                                 f"{', '.join(sorted(names)) or 'no numeric attributes'}")
+                raise ValueError(
+                    f"bound {text!r}: unknown name {node.id!r}; this run provides "
+                    f"{', '.join(sorted(names)) or 'no numeric attributes'}"
+                )
             return float(names[node.id])
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = walk(node.left), walk(node.right)
@@ -217,12 +233,17 @@ def evaluate_expression(text: str, names: Mapping[str, float] | None) -> float:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             value = walk(node.operand)
             return -value if isinstance(node.op, ast.USub) else value
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in _FUNCTIONS and not node.keywords:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _FUNCTIONS
+            and not node.keywords
+        ):
             args = [walk(arg) for arg in node.args]
             return math.nan if names is None else float(_FUNCTIONS[node.func.id](*args))
-        raise ValueError(f"bound {text!r}: only numbers, names, + - * / ** and "
-                         f"{', '.join(_FUNCTIONS)} are allowed")
+        raise ValueError(
+            f"bound {text!r}: only numbers, names, + - * / ** and {', '.join(_FUNCTIONS)} are allowed"
+        )
 
     try:
         return walk(tree)
@@ -249,8 +270,13 @@ def run_spec(ds: xr.Dataset) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
-def check_rules(ds: xr.Dataset, rules: Iterable[str | Mapping[str, Any] | Rule],
-                case: str | None = None, *, strict: bool = False) -> list[Finding]:
+def check_rules(
+    ds: xr.Dataset,
+    rules: Iterable[str | Mapping[str, Any] | Rule],
+    case: str | None = None,
+    *,
+    strict: bool = False,
+) -> list[Finding]:
     """Findings (kind "threshold", or "error" for a rule that cannot be applied) of `rules` on `ds`.
 
     A rule whose spec selectors (e.g. attention=softmax) do not match the run does not apply, nor
@@ -293,24 +319,41 @@ def _check_rule(ds: xr.Dataset, rule: Rule, case: str, strict: bool) -> list[Fin
     measured = ~np.all(np.isnan(values), axis=1)
     if not measured.any():
         if strict or not _unmeasured_by_design(recorded, da):
-            raise ValueError(f"every selected cell of {rule.metric} is NaN: the run did not measure it "
-                             "(e.g. attention that no probe saw); the rule checks nothing")
+            raise ValueError(
+                f"every selected cell of {rule.metric} is NaN: the run did not measure it "
+                "(e.g. attention that no probe saw); the rule checks nothing"
+            )
         return []
     if isinstance(rule, GrowthRule):
         first_time = to_python(da[time_dim].values[0])
-        violated, step_index, observed, reference, detail = _growth(rule, values, measured, run_names(ds),
-                                                                    f"{time_dim} {first_time}")
+        violated, step_index, observed, reference, detail = _growth(
+            rule, values, measured, run_names(ds), f"{time_dim} {first_time}"
+        )
     else:
-        violated, step_index, observed, reference, detail = _bound(rule, values, measured, run_names(ds), time_dim)
+        violated, step_index, observed, reference, detail = _bound(
+            rule, values, measured, run_names(ds), time_dim
+        )
     findings = []
     sizes = [da.sizes[d] for d in group_dims]
     for g in np.flatnonzero(violated):
-        where = {d: to_python(da[d].values[i])
-                 for d, i in zip(group_dims, np.unravel_index(g, sizes) if sizes else ())}
+        where = {
+            d: to_python(da[d].values[i])
+            for d, i in zip(group_dims, np.unravel_index(g, sizes) if sizes else ())
+        }
         where[time_dim] = to_python(da[time_dim].values[step_index[g]])
-        findings.append(Finding(case, "threshold", rule.metric, where, float(observed[g]), float(reference[g]),
-                                math.nan, f"{case}: rule '{rule}' violated at {format_where(where)}: {detail(g)}",
-                                rule=str(rule)))
+        findings.append(
+            Finding(
+                case,
+                "threshold",
+                rule.metric,
+                where,
+                float(observed[g]),
+                float(reference[g]),
+                math.nan,
+                f"{case}: rule '{rule}' violated at {format_where(where)}: {detail(g)}",
+                rule=str(rule),
+            )
+        )
     return findings
 
 
@@ -329,8 +372,10 @@ def _applies(ds: xr.Dataset, rule: Rule, strict: bool) -> bool:
             # a run without a spec (recorded from a user's model by instrument()) has no such field:
             # project-wide rules about spec fields do not apply to it; in a spec it is a typo
             if spec or strict:
-                raise ValueError(f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
-                                 f"({', '.join(sorted(spec)) or 'no spec'})")
+                raise ValueError(
+                    f"{key!r} is neither a dimension ({', '.join(COORD_KEYS)}) nor a spec field "
+                    f"({', '.join(sorted(spec)) or 'no spec'})"
+                )
             return False
         if not _spec_matches(spec[key], wanted):
             return False
@@ -351,15 +396,18 @@ def _selected_cells(ds: xr.Dataset, rule: Rule, strict: bool) -> xr.DataArray | 
             present = _matching_coords(da[key].values, wanted, glob=key == "module")
             if not present:
                 if strict:
-                    raise ValueError(f"{key}={'|'.join(wanted)} matches nothing; the run has "
-                                     f"{key} {', '.join(str(v) for v in da[key].values)}")
+                    raise ValueError(
+                        f"{key}={'|'.join(wanted)} matches nothing; the run has "
+                        f"{key} {', '.join(str(v) for v in da[key].values)}"
+                    )
                 return None
             index[key] = present
     return da.sel(index)
 
 
-def _growth(rule: GrowthRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float],
-            first_time: str) -> Violations:
+def _growth(
+    rule: GrowthRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float], first_time: str
+) -> Violations:
     """Cells (rows of `values`, one column per time point) whose last value exceeds the factor times
     their first."""
     factor = _resolve(rule.factor, names)
@@ -370,14 +418,17 @@ def _growth(rule: GrowthRule, values: np.ndarray, measured: np.ndarray, names: M
     step_index = np.full(len(values), values.shape[1] - 1)
 
     def detail(g: int) -> str:
-        return (f"{rule.metric} grew from {values[g, 0]:.6g} at {first_time} to "
-                f"{float(observed[g]):.6g}, above {factor:g} x first = {float(reference[g]):.6g}")
+        return (
+            f"{rule.metric} grew from {values[g, 0]:.6g} at {first_time} to "
+            f"{float(observed[g]):.6g}, above {factor:g} x first = {float(reference[g]):.6g}"
+        )
 
     return violated, step_index, observed, reference, detail
 
 
-def _bound(rule: BoundRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float],
-           time_dim: str) -> Violations:
+def _bound(
+    rule: BoundRule, values: np.ndarray, measured: np.ndarray, names: Mapping[str, float], time_dim: str
+) -> Violations:
     """Cells with a checked step beyond the bound, each reported at its worst step: the largest
     value for <=, the smallest for >=, NaN worst of all."""
     bound = _resolve(rule.bound, names)

@@ -45,11 +45,17 @@ def build_replay(replay: xr.Dataset, twins: Sequence[xr.Dataset], state: xr.Data
     from the same replay under each rounding twin."""
     return replay.assign(state.data_vars).assign_attrs(
         replay_tolerance=json.dumps(first_step_tolerance([replay], twins), sort_keys=True),
-        replay_count_noise=json.dumps(first_step_count_noise([replay], twins), sort_keys=True))
+        replay_count_noise=json.dumps(first_step_count_noise([replay], twins), sort_keys=True),
+    )
 
 
-def load_replay(baseline_dir: str | os.PathLike, case: str, *, expected_spec: str | None = None,
-                regen_hint: str | None = None) -> xr.Dataset:
+def load_replay(
+    baseline_dir: str | os.PathLike,
+    case: str,
+    *,
+    expected_spec: str | None = None,
+    regen_hint: str | None = None,
+) -> xr.Dataset:
     """The stored replay of `case`; BaselineError saying how to create it when it is missing,
     corrupt, made for another spec or lacks its tolerances."""
     path = replay_path(baseline_dir, case)
@@ -57,7 +63,9 @@ def load_replay(baseline_dir: str | os.PathLike, case: str, *, expected_spec: st
     ds = load_baseline(path, expected_spec=expected_spec, regen_hint=hint)
     missing = [name for name in REPLAY_ATTRS if name not in ds.attrs]
     if missing:
-        raise BaselineError(f"replay {path} lacks attribute(s) {', '.join(missing)}; recreate it with: {hint}")
+        raise BaselineError(
+            f"replay {path} lacks attribute(s) {', '.join(missing)}; recreate it with: {hint}"
+        )
     return ds
 
 
@@ -72,15 +80,31 @@ def compare_replay(current: xr.Dataset, stored: xr.Dataset, regen_hint: str = ""
     the run's its `replay_of` attribute names (`diff`: BASE's)."""
     start = int(stored.attrs["replayed_from"])
     name = str(stored.attrs.get("replay_of", "baseline"))
-    tolerance = {**json.loads(stored.attrs["replay_tolerance"]), **json.loads(stored.attrs["replay_count_noise"])}
-    findings = compare_points(current, split_state(stored)[0], tolerance, "replayed step",
-                              f"{'the ' if name == 'baseline' else ''}{name}'s replay from step {start}", regen_hint,
-                              reference_name=name)
+    tolerance = {
+        **json.loads(stored.attrs["replay_tolerance"]),
+        **json.loads(stored.attrs["replay_count_noise"]),
+    }
+    findings = compare_points(
+        current,
+        split_state(stored)[0],
+        tolerance,
+        "replayed step",
+        f"{'the ' if name == 'baseline' else ''}{name}'s replay from step {start}",
+        regen_hint,
+        reference_name=name,
+    )
     return [mark_replayed(f, start) for f in findings]
 
 
-def compare_points(current: xr.Dataset, reference: xr.Dataset, tolerance: Mapping[str, float], point: str,
-                   against: str, regen_hint: str = "", reference_name: str = "baseline") -> list[Finding]:
+def compare_points(
+    current: xr.Dataset,
+    reference: xr.Dataset,
+    tolerance: Mapping[str, float],
+    point: str,
+    against: str,
+    regen_hint: str = "",
+    reference_name: str = "baseline",
+) -> list[Finding]:
     """Every point `current` shares with `reference`, a run from the same start (a replay of the
     same state, the same seed's first step), judged deterministically: per series its first point
     beyond `tolerance` (by metric: the rounding twins' largest difference in its space, or a count
@@ -93,15 +117,27 @@ def compare_points(current: xr.Dataset, reference: xr.Dataset, tolerance: Mappin
         tol = float(tolerance.get(s.metric, 0.0))
         for g, where in enumerate(s.groups):
             for t, time in enumerate(s.times):
-                found = point_finding(case, s, g, where, 0, t, tol, f"{point} {time}", against, regen_hint,
-                                      reference_name=reference_name)
+                found = point_finding(
+                    case,
+                    s,
+                    g,
+                    where,
+                    0,
+                    t,
+                    tol,
+                    f"{point} {time}",
+                    against,
+                    regen_hint,
+                    reference_name=reference_name,
+                )
                 if found is not None:
                     findings.append(found)
                     break
         if SPACES[s.metric].is_count:
             for t, time in enumerate(s.times):
-                found = counts_moved_together(case, s, 0, t, tol, f"{point} {time}", against, regen_hint,
-                                              reference_name=reference_name)
+                found = counts_moved_together(
+                    case, s, 0, t, tol, f"{point} {time}", against, regen_hint, reference_name=reference_name
+                )
                 if found is not None:
                     findings.append(found)
                     break

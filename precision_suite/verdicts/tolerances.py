@@ -57,7 +57,9 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         if self.space not in TOLERANCE_SPACES:
-            raise ValueError(f"Tolerance.space {self.space!r} is unknown; use one of {', '.join(TOLERANCE_SPACES)}")
+            raise ValueError(
+                f"Tolerance.space {self.space!r} is unknown; use one of {', '.join(TOLERANCE_SPACES)}"
+            )
         if self.bad not in ("up", "down"):
             raise ValueError(f"Tolerance.bad {self.bad!r} is unknown; use 'up' or 'down'")
         if not (self.tol >= 0 and np.isfinite(self.tol)):
@@ -68,8 +70,9 @@ class Tolerance:
             raise ValueError(f"Tolerance.trained must be a finite number >= 0 or None, got {self.trained!r}")
 
 
-def _declared(metric: str, space: str, tol: float, floor: float = 0.0,
-              trained: float | None = None) -> Tolerance:
+def _declared(
+    metric: str, space: str, tol: float, floor: float = 0.0, trained: float | None = None
+) -> Tolerance:
     """A default tolerance whose bad direction is the metric table's (for one_minus_cos_relative,
     the direction of 1 - value, opposite to the cosine's)."""
     bad = METRICS[metric].bad
@@ -93,8 +96,13 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "nonfinite": _declared("nonfinite", "absolute", 0.0),
 }
 # the model's own quantization (observed_<metric>) is compared as the probes' same metric is
-DEFAULT_TOLERANCES.update({observed_name(metric): DEFAULT_TOLERANCES[metric] for metric in QUANT_METRICS
-                           if metric in DEFAULT_TOLERANCES})
+DEFAULT_TOLERANCES.update(
+    {
+        observed_name(metric): DEFAULT_TOLERANCES[metric]
+        for metric in QUANT_METRICS
+        if metric in DEFAULT_TOLERANCES
+    }
+)
 
 ToleranceOverride = Tolerance | float | int | Mapping[str, Any] | None
 ToleranceOverrides = Mapping[str, ToleranceOverride]
@@ -125,16 +133,20 @@ def _apply_override(metric: str, current: Tolerance | None, value: ToleranceOver
         changes = dict(value)
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Tolerance)})
         if unknown:
-            raise ValueError(f"tolerance for {metric!r}: unknown field(s) {', '.join(unknown)}; "
-                             "use tol, trained, floor, space, bad")
+            raise ValueError(
+                f"tolerance for {metric!r}: unknown field(s) {', '.join(unknown)}; "
+                "use tol, trained, floor, space, bad"
+            )
     else:
         raise ValueError(f"tolerance for {metric!r}: expected a number, a table or none, got {value!r}")
     if current is None:
         try:
             return Tolerance(**changes)
         except TypeError:
-            raise ValueError(f"metric {metric!r} has no default tolerance; give all of space, tol "
-                             f"and bad (e.g. {{space = 'absolute', tol = 1e-3, bad = 'up'}})") from None
+            raise ValueError(
+                f"metric {metric!r} has no default tolerance; give all of space, tol "
+                f"and bad (e.g. {{space = 'absolute', tol = 1e-3, bad = 'up'}})"
+            ) from None
     return dataclasses.replace(current, **changes)
 
 
@@ -147,8 +159,11 @@ def tolerances_from_config(table: Mapping[str, Any]) -> ToleranceOverrides:
     return dict(overrides)
 
 
-def compare(current: xr.Dataset, baseline: xr.Dataset,
-            tolerances: ToleranceOverrides | Sequence[ToleranceOverrides] | None = None) -> list[Finding]:
+def compare(
+    current: xr.Dataset,
+    baseline: xr.Dataset,
+    tolerances: ToleranceOverrides | Sequence[ToleranceOverrides] | None = None,
+) -> list[Finding]:
     """Findings of `current` against `baseline`, metric by metric, on their common coordinates.
 
     `tolerances`: overrides of DEFAULT_TOLERANCES (see `resolve_tolerances`), or a sequence of
@@ -168,18 +183,35 @@ def compare(current: xr.Dataset, baseline: xr.Dataset,
             continue
         if in_current != in_baseline:
             where_missing = "current run" if in_baseline else "baseline"
-            findings.append(Finding.error(case, metric, f"{metric} is missing from the {where_missing}; "
-                                          "the run schema changed, regenerate the baseline"))
+            findings.append(
+                Finding.error(
+                    case,
+                    metric,
+                    f"{metric} is missing from the {where_missing}; "
+                    "the run schema changed, regenerate the baseline",
+                )
+            )
             continue
         cur, base = current[metric], baseline[metric]
         if cur.dims != base.dims:
-            findings.append(Finding.error(case, metric, f"{metric} has dims {cur.dims} in the current run "
-                                          f"but {base.dims} in the baseline"))
+            findings.append(
+                Finding.error(
+                    case,
+                    metric,
+                    f"{metric} has dims {cur.dims} in the current run but {base.dims} in the baseline",
+                )
+            )
             continue
         mismatch = _coordinate_mismatch(cur, base)
         if mismatch:
-            findings.append(Finding.error(case, metric, f"{metric}: coordinates differ from the baseline "
-                                          f"({mismatch}); compared on the common ones only"))
+            findings.append(
+                Finding.error(
+                    case,
+                    metric,
+                    f"{metric}: coordinates differ from the baseline "
+                    f"({mismatch}); compared on the common ones only",
+                )
+            )
         cur, base = xr.align(cur, base, join="inner")
         findings.extend(_compare_metric(case, metric, cur, base, tol))
     return findings
@@ -200,7 +232,9 @@ def deviation(tol: Tolerance, current: np.ndarray, baseline: np.ndarray) -> np.n
     return d if tol.bad == "up" else -d
 
 
-def tolerance_band(metric: str, reference: np.ndarray, tol: Tolerance | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def tolerance_band(
+    metric: str, reference: np.ndarray, tol: Tolerance | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(lower, upper) values of `metric` that `compare` accepts around `reference`, for charts.
 
     `reference` runs over time along its last axis (`Tolerance.at`); `tol` defaults to the table's.
@@ -220,8 +254,9 @@ def tolerance_band(metric: str, reference: np.ndarray, tol: Tolerance | None = N
     return b - width, b + width
 
 
-def _compare_metric(case: str, metric: str, cur: xr.DataArray, base: xr.DataArray,
-                    tol: Tolerance) -> list[Finding]:
+def _compare_metric(
+    case: str, metric: str, cur: xr.DataArray, base: xr.DataArray, tol: Tolerance
+) -> list[Finding]:
     time_dims = [d for d in cur.dims if d in TIME_DIMS]
     group_dims = [d for d in cur.dims if d not in TIME_DIMS]
     order = group_dims + time_dims
@@ -242,23 +277,40 @@ def _compare_metric(case: str, metric: str, cur: xr.DataArray, base: xr.DataArra
     score[np.isnan(score)] = np.inf  # not comparable in this space (e.g. log of a negative)
 
     findings = []
-    for kind, beyond, pick in (("regression", score > tols, np.argmax),
-                               ("drift", score < -tols, np.argmin)):
+    for kind, beyond, pick in (("regression", score > tols, np.argmax), ("drift", score < -tols, np.argmin)):
         for g in np.flatnonzero(beyond.any(axis=1)):
             masked = np.where(beyond[g], score[g], 0.0)
             t = int(pick(masked))
             where = _where(cur, group_dims, time_dims, g, t)
-            findings.append(Finding(
-                case=case, kind=kind, metric=metric, where=where, value=float(c[g, t]),
-                reference=float(b[g, t]), tolerance=float(tols[0, t]), score=float(score[g, t]),
-                message=_comparison_message(case, kind, metric, where, c[g, t], b[g, t],
-                                            dataclasses.replace(tol, tol=float(tols[0, t])),
-                                            int(beyond[g].sum()), beyond.shape[1])))
+            findings.append(
+                Finding(
+                    case=case,
+                    kind=kind,
+                    metric=metric,
+                    where=where,
+                    value=float(c[g, t]),
+                    reference=float(b[g, t]),
+                    tolerance=float(tols[0, t]),
+                    score=float(score[g, t]),
+                    message=_comparison_message(
+                        case,
+                        kind,
+                        metric,
+                        where,
+                        c[g, t],
+                        b[g, t],
+                        dataclasses.replace(tol, tol=float(tols[0, t])),
+                        int(beyond[g].sum()),
+                        beyond.shape[1],
+                    ),
+                )
+            )
     return findings
 
 
-def _where(da: xr.DataArray, group_dims: list[str], time_dims: list[str], group: int,
-           time: int) -> dict[str, Any]:
+def _where(
+    da: xr.DataArray, group_dims: list[str], time_dims: list[str], group: int, time: int
+) -> dict[str, Any]:
     sizes = [da.sizes[d] for d in group_dims]
     index = dict(zip(group_dims, np.unravel_index(group, sizes) if sizes else ()))
     if time_dims:
@@ -266,8 +318,17 @@ def _where(da: xr.DataArray, group_dims: list[str], time_dims: list[str], group:
     return {dim: to_python(da[dim].values[i]) for dim, i in index.items()}
 
 
-def _comparison_message(case: str, kind: str, metric: str, where: Mapping[str, Any], value: float,
-                        reference: float, tol: Tolerance, n_beyond: int, n_steps: int) -> str:
+def _comparison_message(
+    case: str,
+    kind: str,
+    metric: str,
+    where: Mapping[str, Any],
+    value: float,
+    reference: float,
+    tol: Tolerance,
+    n_beyond: int,
+    n_steps: int,
+) -> str:
     what = "regressed" if kind == "regression" else "drifted (better)"
     if not np.isfinite(value) and np.isfinite(reference):
         change = "non-finite where the baseline is finite"
@@ -277,7 +338,9 @@ def _comparison_message(case: str, kind: str, metric: str, where: Mapping[str, A
         change = _describe_change(tol, value, reference)
     steps = f"; {n_beyond} of {n_steps} steps beyond tolerance" if n_steps > 1 else ""
     shown, baseline = distinct(value, reference)
-    return f"{case}: {metric} {what} at {format_where(where)}: {shown} vs baseline {baseline} ({change}){steps}"
+    return (
+        f"{case}: {metric} {what} at {format_where(where)}: {shown} vs baseline {baseline} ({change}){steps}"
+    )
 
 
 def _describe_change(tol: Tolerance, value: float, reference: float) -> str:

@@ -21,24 +21,34 @@ ENSEMBLE_SEEDS = (0, 1, 2, 3)
 MEAN_Z_HELD_OUT_SEEDS = (4, 5)
 
 
-def make_ensemble(runs: Sequence[xr.Dataset], first_step_tolerance: Mapping[str, float],
-                  first_step_count_noise: Mapping[str, float],
-                  trained_mean_z_spread: Mapping[str, Sequence[float]] | None = None) -> xr.Dataset:
+def make_ensemble(
+    runs: Sequence[xr.Dataset],
+    first_step_tolerance: Mapping[str, float],
+    first_step_count_noise: Mapping[str, float],
+    trained_mean_z_spread: Mapping[str, Sequence[float]] | None = None,
+) -> xr.Dataset:
     """K runs of one case (one per seed) as one dataset with a `seed` dimension. Without
     `trained_mean_z_spread` (see `mean_z_spread`) the case-level trained check is not made."""
     seeds = [int(json.loads(r.attrs["spec"])["seed"]) for r in runs]
     if len(set(seeds)) != len(seeds) or len(seeds) < 2:
         raise EnsembleError(f"an ensemble needs at least 2 distinct seeds, got {seeds}")
-    ds = xr.concat(list(runs), dim=xr.DataArray(seeds, dims="seed", name="seed"),
-                   data_vars="all", coords="minimal", compat="override", combine_attrs="override")
+    ds = xr.concat(
+        list(runs),
+        dim=xr.DataArray(seeds, dims="seed", name="seed"),
+        data_vars="all",
+        coords="minimal",
+        compat="override",
+        combine_attrs="override",
+    )
     spec = json.loads(runs[0].attrs["spec"])
     spec.pop("seed")
     ds.attrs["spec"] = json.dumps(spec, sort_keys=True)
     ds.attrs["ensemble_seeds"] = json.dumps(seeds)
     ds.attrs["first_step_tolerance"] = json.dumps(dict(first_step_tolerance), sort_keys=True)
     ds.attrs["first_step_count_noise"] = json.dumps(dict(first_step_count_noise), sort_keys=True)
-    ds.attrs["trained_mean_z_spread"] = json.dumps({m: list(v) for m, v in (trained_mean_z_spread or {}).items()},
-                                                   sort_keys=True)
+    ds.attrs["trained_mean_z_spread"] = json.dumps(
+        {m: list(v) for m, v in (trained_mean_z_spread or {}).items()}, sort_keys=True
+    )
     return ds
 
 
@@ -53,8 +63,9 @@ def leave_one_out(ensemble: xr.Dataset) -> list[tuple[int, xr.Dataset, xr.Datase
     for seed in seeds:
         rest = [s for s in seeds if s != seed]
         others = ensemble.sel(seed=rest).assign_attrs(ensemble_seeds=json.dumps(rest))
-        member = ensemble.sel(seed=seed, drop=True).assign_attrs(spec=json.dumps({**spec, "seed": seed},
-                                                                                 sort_keys=True))
+        member = ensemble.sel(seed=seed, drop=True).assign_attrs(
+            spec=json.dumps({**spec, "seed": seed}, sort_keys=True)
+        )
         for name in ENSEMBLE_ATTRS:
             member.attrs.pop(name, None)
         out.append((seed, member, others))
@@ -65,8 +76,8 @@ def build_ensemble(results: Sequence[xr.Dataset], n_seeds: int, n_held_out: int 
     """The ensemble baseline from the results of `jobs.regenerate.ensemble_tasks` (in their order:
     the ensemble's seeds, held-out seeds, rounding twins). The held-out seeds and each member left
     out of the others are the null samples of the case-level trained check."""
-    runs, held_out = list(results[:n_seeds]), list(results[n_seeds:n_seeds + n_held_out])
-    twins = list(results[n_seeds + n_held_out:])
+    runs, held_out = list(results[:n_seeds]), list(results[n_seeds : n_seeds + n_held_out])
+    twins = list(results[n_seeds + n_held_out :])
     tolerance, count_noise = first_step_tolerance(runs, twins), first_step_count_noise(runs, twins)
     ensemble = make_ensemble(runs, tolerance, count_noise)
     samples = [case_mean_z(run, ensemble) for run in held_out]

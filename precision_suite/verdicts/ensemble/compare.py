@@ -32,8 +32,9 @@ from precision_suite.verdicts.ensemble.series import (
 from precision_suite.verdicts.findings import Finding
 
 
-def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str = "",
-                     rate: float = FALSE_ALARM_RATE) -> list[Finding]:
+def compare_ensemble(
+    current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str = "", rate: float = FALSE_ALARM_RATE
+) -> list[Finding]:
     """Findings of one run against a seed ensemble (module docstring): "regression" for a change
     in the bad direction or any change at the first point, "drift" for the good direction."""
     check_ensemble(ensemble)
@@ -41,28 +42,46 @@ def compare_ensemble(current: xr.Dataset, ensemble: xr.Dataset, regen_hint: str 
     seeds = ensemble_seeds(ensemble)
     seed = json.loads(current.attrs.get("spec", "{}")).get("seed")
     member = seeds.index(seed) if seed in seeds else None
-    tol0 = {**json.loads(ensemble.attrs["first_step_tolerance"]),
-            **json.loads(ensemble.attrs["first_step_count_noise"])}  # disjoint: counts and the rest
+    tol0 = {
+        **json.loads(ensemble.attrs["first_step_tolerance"]),
+        **json.loads(ensemble.attrs["first_step_count_noise"]),
+    }  # disjoint: counts and the rest
     case_series = all_series(current, ensemble)
     z_crit = trained_threshold(n_statistics(case_series), rate)
     findings: list[Finding] = []
     for s in case_series:
-        findings += _judge_series(case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit,
-                                  len(seeds), regen_hint)
+        findings += _judge_series(
+            case, s, member, seed, float(tol0.get(s.metric, 0.0)), z_crit, len(seeds), regen_hint
+        )
         if member is not None and SPACES[s.metric].is_count and s.ens_y.shape[2] > 0:
-            if (together := counts_moved_together(case, s, member, 0, float(tol0.get(s.metric, 0.0)), "first point",
-                                                  f"seed {seed} of the baseline", regen_hint, seed)) is not None:
+            if (
+                together := counts_moved_together(
+                    case,
+                    s,
+                    member,
+                    0,
+                    float(tol0.get(s.metric, 0.0)),
+                    "first point",
+                    f"seed {seed} of the baseline",
+                    regen_hint,
+                    seed,
+                )
+            ) is not None:
                 findings.append(together)
     spreads = json.loads(ensemble.attrs["trained_mean_z_spread"])
     for s in case_series:
-        if s.metric in spreads and (moved := _trained_moved_together(case, s, *spreads[s.metric],
-                                                                     len(spreads), rate)) is not None:
+        if (
+            s.metric in spreads
+            and (moved := _trained_moved_together(case, s, *spreads[s.metric], len(spreads), rate))
+            is not None
+        ):
             findings.append(moved)
     return findings
 
 
-def _judge_series(case: str, s: Series, member: int | None, seed: Any, tol0: float, z_crit: float,
-                  k: int, regen_hint: str) -> list[Finding]:
+def _judge_series(
+    case: str, s: Series, member: int | None, seed: Any, tol0: float, z_crit: float, k: int, regen_hint: str
+) -> list[Finding]:
     sign = METRICS[s.metric].bad_sign
     first_trained = 1 if member is not None else 0
     mean, sd = spread(s, 1)
@@ -75,8 +94,19 @@ def _judge_series(case: str, s: Series, member: int | None, seed: Any, tol0: flo
         broken |= np.isnan(cur_v) & ens_finite
         if broken.any():
             t = int(np.flatnonzero(broken)[0])
-            findings.append(series_finding(case, "regression", s, where, t, g, math.inf, z_crit,
-                                     "non-finite where every seed of the baseline is finite"))
+            findings.append(
+                series_finding(
+                    case,
+                    "regression",
+                    s,
+                    where,
+                    t,
+                    g,
+                    math.inf,
+                    z_crit,
+                    "non-finite where every seed of the baseline is finite",
+                )
+            )
             continue
         if member is not None and s.ens_y.shape[2] > 0:
             if (first := first_point_finding(case, s, g, where, member, seed, tol0, regen_hint)) is not None:
@@ -94,9 +124,11 @@ def _judge_series(case: str, s: Series, member: int | None, seed: Any, tol0: flo
             continue
         kind = "regression" if median_z > 0 else "drift"
         beyond = int(np.sum(np.sign(median_z) * z[points] > z_crit))  # on the median's side
-        detail = (f"median over the {points.size} trained points {median_z:+.1f} spreads from the "
-                  f"{k}-seed mean (this point), band ±{z_crit:.1f}; {beyond} of {points.size} "
-                  f"points beyond")
+        detail = (
+            f"median over the {points.size} trained points {median_z:+.1f} spreads from the "
+            f"{k}-seed mean (this point), band ±{z_crit:.1f}; {beyond} of {points.size} "
+            f"points beyond"
+        )
         findings.append(series_finding(case, kind, s, where, t, g, median_z, z_crit, detail))
     return findings
 
@@ -133,7 +165,9 @@ def mean_z_spread(samples: Sequence[Mapping[str, float]]) -> dict[str, tuple[flo
     for sample in samples:
         for metric, m in sample.items():
             values.setdefault(metric, []).append(m)
-    return {metric: (float(np.sqrt(np.mean(np.square(v)))), len(v)) for metric, v in values.items() if len(v) >= 2}
+    return {
+        metric: (float(np.sqrt(np.mean(np.square(v)))), len(v)) for metric, v in values.items() if len(v) >= 2
+    }
 
 
 def mean_z_band(sigma: float, n: int, n_metrics: int, rate: float = FALSE_ALARM_RATE) -> float:
@@ -144,8 +178,9 @@ def mean_z_band(sigma: float, n: int, n_metrics: int, rate: float = FALSE_ALARM_
     return float(student_t.ppf(1.0 - rate / (2.0 * max(n_metrics, 1)), df=n)) * sigma
 
 
-def _trained_moved_together(case: str, s: Series, sigma: float, n: int, n_metrics: int,
-                            rate: float) -> Finding | None:
+def _trained_moved_together(
+    case: str, s: Series, sigma: float, n: int, n_metrics: int, rate: float
+) -> Finding | None:
     medians = series_median_z(s)
     ok = np.flatnonzero(np.isfinite(medians))
     if ok.size == 0 or not sigma > 0:
@@ -155,20 +190,26 @@ def _trained_moved_together(case: str, s: Series, sigma: float, n: int, n_metric
         return None
     g = int(ok[np.argmax(np.sign(m) * medians[ok])])  # the series that moved most that way
     kind = "regression" if m > 0 else "drift"
-    detail = (f"trained points, case level: the {ok.size} series of {s.metric} moved together, mean of their "
-              f"median z {m:+.2f} spreads, band ±{band:.2f} (Student t from {int(n)} runs of other seeds, "
-              f"spread {sigma:.2f}); this series moved most ({medians[g]:+.1f})")
+    detail = (
+        f"trained points, case level: the {ok.size} series of {s.metric} moved together, mean of their "
+        f"median z {m:+.2f} spreads, band ±{band:.2f} (Student t from {int(n)} runs of other seeds, "
+        f"spread {sigma:.2f}); this series moved most ({medians[g]:+.1f})"
+    )
     return series_finding(case, kind, s, s.groups[g], len(s.times) - 1, g, m, band, detail)
 
 
-def ensemble_band(metric: str, current: xr.Dataset, ensemble: xr.Dataset,
-                  where: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+def ensemble_band(
+    metric: str, current: xr.Dataset, ensemble: xr.Dataset, where: Mapping[str, Any]
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(lower, upper) accepted values of one series over time, for charts; None if not compared."""
     if metric not in SPACES or metric not in ensemble.data_vars or metric not in current.data_vars:
         return None
     s = metric_series(metric, current, ensemble)
-    g = None if s is None else next((i for i, w in enumerate(s.groups)
-                                     if all(w.get(k) == v for k, v in where.items())), None)
+    g = (
+        None
+        if s is None
+        else next((i for i, w in enumerate(s.groups) if all(w.get(k) == v for k, v in where.items())), None)
+    )
     if g is None:
         return None
     z = trained_threshold(n_statistics(all_series(current, ensemble)))

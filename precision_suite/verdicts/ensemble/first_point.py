@@ -39,8 +39,10 @@ def first_step_tolerance(references: Sequence[xr.Dataset], twins: Sequence[xr.Da
         d = d[np.isfinite(d)]
         if d.size:
             largest[metric] = max(largest[metric], float(d.max()))
-    return {metric: max(FIRST_STEP_SAFETY * value, SPACES[metric].first_step_floor)
-            for metric, value in largest.items()}
+    return {
+        metric: max(FIRST_STEP_SAFETY * value, SPACES[metric].first_step_floor)
+        for metric, value in largest.items()
+    }
 
 
 def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset]) -> dict[str, float]:
@@ -60,8 +62,9 @@ def first_step_count_noise(references: Sequence[xr.Dataset], twins: Sequence[xr.
     return largest
 
 
-def _twin_pairs(references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset],
-                metrics: Sequence[str]) -> Iterator[tuple[xr.Dataset, xr.Dataset, str]]:
+def _twin_pairs(
+    references: Sequence[xr.Dataset], twins: Sequence[xr.Dataset], metrics: Sequence[str]
+) -> Iterator[tuple[xr.Dataset, xr.Dataset, str]]:
     by_seed = {int(json.loads(r.attrs["spec"])["seed"]): r for r in references}
     for twin in twins:
         reference = by_seed[int(json.loads(twin.attrs["spec"])["seed"])]
@@ -81,16 +84,46 @@ def count_allowance(count_noise: float, count: np.ndarray | float) -> np.ndarray
     return np.maximum(FIRST_STEP_FLIPS, FIRST_STEP_SAFETY * count_noise * np.sqrt(np.abs(count) + 1.0))
 
 
-def first_point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member: int, seed: Any,
-                         tol0: float, regen_hint: str) -> Finding | None:
+def first_point_finding(
+    case: str,
+    s: Series,
+    g: int,
+    where: Mapping[str, Any],
+    member: int,
+    seed: Any,
+    tol0: float,
+    regen_hint: str,
+) -> Finding | None:
     """A regression if the first point moved beyond rounding from the member of the run's seed."""
-    return point_finding(case, s, g, where, member, 0, tol0, "first point", f"seed {seed} of the baseline",
-                         regen_hint, member_seed=seed)
+    return point_finding(
+        case,
+        s,
+        g,
+        where,
+        member,
+        0,
+        tol0,
+        "first point",
+        f"seed {seed} of the baseline",
+        regen_hint,
+        member_seed=seed,
+    )
 
 
-def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member: int, t: int, tol0: float,
-                  point: str, against: str, regen_hint: str, member_seed: Any = None,
-                  reference_name: str = "baseline") -> Finding | None:
+def point_finding(
+    case: str,
+    s: Series,
+    g: int,
+    where: Mapping[str, Any],
+    member: int,
+    t: int,
+    tol0: float,
+    point: str,
+    against: str,
+    regen_hint: str,
+    member_seed: Any = None,
+    reference_name: str = "baseline",
+) -> Finding | None:
     """A regression if point `t` of series `g` moved beyond rounding from the reference run
     `member` (a deterministic comparison: the same start on both sides): counts by the count
     model in elements, every other metric by `tol0` in its space; a new NaN/Inf fails."""
@@ -99,31 +132,79 @@ def point_finding(case: str, s: Series, g: int, where: Mapping[str, Any], member
     numel = 1.0 if s.numel is None else float(s.numel[g, t])
     ref_v, cur_v = s.ens_values[member, g, t], s.cur_values[g, t]
     if np.isfinite(ref_v) and not np.isfinite(cur_v):
-        return series_finding(case, "regression", s, where, t, g, math.inf, tol0,
-                        f"{point} is non-finite where {against} is finite; {hint}", member_seed=member_seed,
-                          deterministic=True, reference_name=reference_name)
+        return series_finding(
+            case,
+            "regression",
+            s,
+            where,
+            t,
+            g,
+            math.inf,
+            tol0,
+            f"{point} is non-finite where {against} is finite; {hint}",
+            member_seed=member_seed,
+            deterministic=True,
+            reference_name=reference_name,
+        )
     if space.is_count:
         ref, cur = ref_v * numel, cur_v * numel
         allowed = float(count_allowance(tol0, ref))
         if not (np.isfinite(ref) and np.isfinite(cur)) or abs(cur - ref) <= allowed:
             return None
         of = "" if s.numel is None else f" of {numel:,.0f}"
-        detail = (f"{point} changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in {against}, "
-                  f"{cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}")
-        return series_finding(case, "regression", s, where, t, g, cur - ref, allowed, detail, member_seed=member_seed,
-                              deterministic=True, reference_name=reference_name)
+        detail = (
+            f"{point} changed beyond rounding: {cur:,.0f}{of} elements against {ref:,.0f} in {against}, "
+            f"{cur - ref:+,.0f} where the rounding twins allow ±{allowed:,.1f}; {hint}"
+        )
+        return series_finding(
+            case,
+            "regression",
+            s,
+            where,
+            t,
+            g,
+            cur - ref,
+            allowed,
+            detail,
+            member_seed=member_seed,
+            deterministic=True,
+            reference_name=reference_name,
+        )
     d = s.cur_y[g, t] - s.ens_y[member, g, t]
     if not np.isfinite(d) or abs(d) <= tol0:
         return None
-    detail = (f"{point} changed beyond rounding ({describe_change(space, d)}, rounding tolerance "
-              f"{describe_change(space, tol0, signed=False)}) against {against}: {hint}")
-    return series_finding(case, "regression", s, where, t, g, d, tol0, detail, member_seed=member_seed,
-                          deterministic=True, reference_name=reference_name)
+    detail = (
+        f"{point} changed beyond rounding ({describe_change(space, d)}, rounding tolerance "
+        f"{describe_change(space, tol0, signed=False)}) against {against}: {hint}"
+    )
+    return series_finding(
+        case,
+        "regression",
+        s,
+        where,
+        t,
+        g,
+        d,
+        tol0,
+        detail,
+        member_seed=member_seed,
+        deterministic=True,
+        reference_name=reference_name,
+    )
 
 
-def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise: float, point: str,
-                          against: str, regen_hint: str, member_seed: Any = None,
-                          reference_name: str = "baseline") -> Finding | None:
+def counts_moved_together(
+    case: str,
+    s: Series,
+    member: int,
+    t: int,
+    count_noise: float,
+    point: str,
+    against: str,
+    regen_hint: str,
+    member_seed: Any = None,
+    reference_name: str = "baseline",
+) -> Finding | None:
     """The case-level deterministic check of a count metric at point `t`: the sum of every
     series' change against the rounding noise of that sum, each series' noise taken as its
     allowance / FIRST_STEP_SAFETY and the series as independent. Another host moves each count
@@ -140,13 +221,29 @@ def counts_moved_together(case: str, s: Series, member: int, t: int, count_noise
     if abs(z) <= FIRST_STEP_SAFETY:
         return None
     g = int(ok[np.argmax(np.abs(change))])  # the finding points at the series that moved most
-    detail = (f"{point}: the case's {s.metric} counts moved together, {change.sum():+,.0f} elements over "
-              f"{ok.size} series against {ref[ok].sum():,.0f} in {against}: {z:+.1f} "
-              f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
-              f"{changed_hint(regen_hint)}")
-    return series_finding(case, "regression", s, s.groups[g], t, g, z, FIRST_STEP_SAFETY, detail, member_seed=member_seed,
-                          deterministic=True, reference_name=reference_name)
+    detail = (
+        f"{point}: the case's {s.metric} counts moved together, {change.sum():+,.0f} elements over "
+        f"{ok.size} series against {ref[ok].sum():,.0f} in {against}: {z:+.1f} "
+        f"times the rounding twins' noise of that sum, beyond ±{FIRST_STEP_SAFETY:g}; "
+        f"{changed_hint(regen_hint)}"
+    )
+    return series_finding(
+        case,
+        "regression",
+        s,
+        s.groups[g],
+        t,
+        g,
+        z,
+        FIRST_STEP_SAFETY,
+        detail,
+        member_seed=member_seed,
+        deterministic=True,
+        reference_name=reference_name,
+    )
 
 
 def changed_hint(regen_hint: str) -> str:
-    return "the computation itself changed" + (f"; if intended, regenerate with: {regen_hint}" if regen_hint else "")
+    return "the computation itself changed" + (
+        f"; if intended, regenerate with: {regen_hint}" if regen_hint else ""
+    )

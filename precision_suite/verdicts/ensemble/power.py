@@ -48,8 +48,10 @@ def detectable_change(current: xr.Dataset, ensemble: xr.Dataset) -> dict[str, st
             text = f"no series counts {DETECTABLE_MIN_COUNT} elements"
         if space.is_count:
             k = float(count_noise.get(s.metric, 0.0))
-            first = (f"±max({FIRST_STEP_FLIPS:g}, {FIRST_STEP_SAFETY * k:.3g} x sqrt(count + 1)) elements "
-                     f"(1 element: ±{float(count_allowance(k, 1.0)):.3g}; 10^4: ±{float(count_allowance(k, 1e4)):.3g})")
+            first = (
+                f"±max({FIRST_STEP_FLIPS:g}, {FIRST_STEP_SAFETY * k:.3g} x sqrt(count + 1)) elements "
+                f"(1 element: ±{float(count_allowance(k, 1.0)):.3g}; 10^4: ±{float(count_allowance(k, 1e4)):.3g})"
+            )
         else:
             first = describe_change(space, float(tol0.get(s.metric, 0.0)), signed=False)
         together = ""

@@ -54,12 +54,16 @@ def check_ensemble(ds: xr.Dataset, path: object = "baseline") -> None:
     if "seed" not in ds.dims:
         raise EnsembleError(f"{path} holds a single run, not a seed ensemble (an old baseline)")
     if ds.sizes["seed"] < 2:
-        raise EnsembleError(f"{path} holds {ds.sizes['seed']} seed; an ensemble needs at least 2 "
-                            "to measure the spread between seeds")
+        raise EnsembleError(
+            f"{path} holds {ds.sizes['seed']} seed; an ensemble needs at least 2 "
+            "to measure the spread between seeds"
+        )
     missing = [name for name in ENSEMBLE_ATTRS if name not in ds.attrs]
     if missing:  # first_step_count_noise: baselines made before the rounding twins
-        raise EnsembleError(f"{path} lacks the {' and '.join(missing)} attribute(s) (made by an older "
-                            "version, before its rounding twins were measured)")
+        raise EnsembleError(
+            f"{path} lacks the {' and '.join(missing)} attribute(s) (made by an older "
+            "version, before its rounding twins were measured)"
+        )
 
 
 def time_dim(da: xr.DataArray) -> str:
@@ -71,8 +75,12 @@ def numel_like(ds: xr.Dataset, da: xr.DataArray, metric: str | None = None) -> n
     """Elements counted behind each cell of a fraction metric (`metric`, default `da`'s name),
     broadcast to `da` (None: not a count)."""
     metric = str(da.name) if metric is None else metric
-    if metric not in SPACES or not SPACES[metric].is_count or metric == "nonfinite" \
-            or METRICS[metric].counted_by not in ds.data_vars:
+    if (
+        metric not in SPACES
+        or not SPACES[metric].is_count
+        or metric == "nonfinite"
+        or METRICS[metric].counted_by not in ds.data_vars
+    ):
         return None
     numel = ds[METRICS[metric].counted_by]
     if "seed" in numel.dims:
@@ -121,14 +129,28 @@ def metric_series(metric: str, current: xr.Dataset, ensemble: xr.Dataset) -> Ser
         groups.append(where)
         key = tuple((d, v) for d, v in where.items() if d != "layer")
         pool[g] = pool_keys.setdefault(key, len(pool_keys))
-    return Series(metric, groups, [to_python(t) for t in cur[along].values], along,
-                   SPACES[metric].transform(e, numel), SPACES[metric].transform(c, numel), c, e, pool, numel)
+    return Series(
+        metric,
+        groups,
+        [to_python(t) for t in cur[along].values],
+        along,
+        SPACES[metric].transform(e, numel),
+        SPACES[metric].transform(c, numel),
+        c,
+        e,
+        pool,
+        numel,
+    )
 
 
 def all_series(current: xr.Dataset, ensemble: xr.Dataset) -> list[Series]:
     """One Series per compared metric that both datasets hold."""
-    return [s for metric in SPACES if metric in current.data_vars and metric in ensemble.data_vars
-            if (s := metric_series(metric, current, ensemble)) is not None]
+    return [
+        s
+        for metric in SPACES
+        if metric in current.data_vars and metric in ensemble.data_vars
+        if (s := metric_series(metric, current, ensemble)) is not None
+    ]
 
 
 def n_statistics(series: Sequence[Series]) -> int:
@@ -162,9 +184,20 @@ def spread(s: Series, first_trained: int) -> tuple[np.ndarray, np.ndarray]:
     return mean, np.sqrt(total * (1.0 + 1.0 / k))
 
 
-def series_finding(case: str, kind: str, s: Series, where: Mapping[str, Any], t: int, g: int,
-                   score: float, tolerance: float, detail: str, member_seed: Any = None,
-                   deterministic: bool = False, reference_name: str = "baseline") -> Finding:
+def series_finding(
+    case: str,
+    kind: str,
+    s: Series,
+    where: Mapping[str, Any],
+    t: int,
+    g: int,
+    score: float,
+    tolerance: float,
+    detail: str,
+    member_seed: Any = None,
+    deterministic: bool = False,
+    reference_name: str = "baseline",
+) -> Finding:
     """A finding of series `g` at point `t`. `deterministic`: a comparison of the same start (a
     first point, a replay), which fails in either direction: worded "changed", with worse or
     better where the metric has a bad direction (score: positive is the bad direction's)."""
@@ -181,16 +214,31 @@ def series_finding(case: str, kind: str, s: Series, where: Mapping[str, Any], t:
         seeds_text = "" if finite.size else " (no finite seed)"
     if deterministic:
         # a new NaN/Inf (an infinite score) is worse whatever the metric's direction
-        direction = math.inf if not math.isfinite(score) else \
-            score * METRICS[s.metric].bad_sign if METRICS[s.metric].bad is not None else 0.0
+        direction = (
+            math.inf
+            if not math.isfinite(score)
+            else score * METRICS[s.metric].bad_sign
+            if METRICS[s.metric].bad is not None
+            else 0.0
+        )
         what = "changed (worse)" if direction > 0 else "changed (better)" if direction < 0 else "changed"
     else:
         what = "regressed" if kind == "regression" else "drifted (better)"
-    message = (f"{case}: {s.metric} {what} at {format_where(where)}: {value_text} vs {reference_name} "
-               f"{reference_text}{seeds_text}; {detail}")
-    return Finding(case=case, kind=kind, metric=s.metric, where=where, value=value,
-                   reference=reference, tolerance=float(tolerance), message=message,
-                   score=float(score))
+    message = (
+        f"{case}: {s.metric} {what} at {format_where(where)}: {value_text} vs {reference_name} "
+        f"{reference_text}{seeds_text}; {detail}"
+    )
+    return Finding(
+        case=case,
+        kind=kind,
+        metric=s.metric,
+        where=where,
+        value=value,
+        reference=reference,
+        tolerance=float(tolerance),
+        message=message,
+        score=float(score),
+    )
 
 
 def describe_change(space: Space, d: float, signed: bool = True) -> str:
