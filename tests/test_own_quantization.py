@@ -98,6 +98,25 @@ CLIENTS = {
         },
         no_baseline_gate=frozenset({RENAME, "block layout", "model code: residual x0.5"}),
     ),
+    # torchao Float8Linear on a decoder LM whose attention is a submodule of each block (as Hugging
+    # Face and nanoGPT models have it): observed, probed and attention modules all differ
+    "torchao, attention in submodules": Client(
+        "user_torchao_attention.py",
+        changes={
+            RENAME: Change("DecoderLM", "TinyDecoderLM", passes=True),
+            "block layout": Change(
+                '"USER_TORCHAO_LM_RECIPE", "tensorwise"',
+                '"USER_TORCHAO_LM_RECIPE", "rowwise"',
+                "blocks.0.attn.qkv fprop operand a: e4m3:tensor (tensor, float32, target 1) -> e4m3:row",
+            ),
+            "scale kind": Change(
+                '"USER_TORCHAO_LM_POW2_SCALES", "0"',
+                '"USER_TORCHAO_LM_POW2_SCALES", "1"',
+                "blocks.0.attn.qkv fprop operand a: e4m3:tensor (tensor, float32, target 1) -> "
+                "e4m3:tensor (tensor, float32 pow2, target 1)",
+            ),
+        },
+    ),
     # a hand-written torch._scaled_mm model (user_fp8.py)
     "_scaled_mm": Client(
         "user_fp8.py",
