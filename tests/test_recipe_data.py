@@ -5,9 +5,6 @@ engine (verdicts/judge.py) that `run`, `diff` and the plugin call."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from precision_suite.verdicts.ensemble.build import make_ensemble
 from precision_suite.verdicts.judge import judge_case
 from precision_suite.verdicts.observed import check_recipes
 from test_diff import MODEL, git
+from test_own_quantization import suite  # the user's shell: their project, then this checkout
 
 RECIPE = {
     "fprop": {"a": "e4m3:tensor", "b": "e4m3:tensor", "accumulate": "hopper-fast"},
@@ -138,19 +136,6 @@ CHANGES = {
 }
 
 
-def suite(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    """`precision-suite ARGS` in a fresh interpreter in `repo`, importing the user's code from it and
-    precision_suite as this process does."""
-    path = os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-c", "import sys; from precision_suite.cli import main; sys.exit(main())", *args],
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-    )
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A user's repository: the toy model of test_diff and a case trained with a `[recipes.my]`
@@ -197,8 +182,6 @@ def test_a_change_of_the_recipe_table_fails_run_and_diff_naming_the_gemm_and_ope
             "cases.toml",
             "--workers",
             "1",
-            "--charts",
-            "none",
             "--report-dir",
             str(project / "reports" / f"run-{branch}"),
         )
@@ -217,8 +200,6 @@ def test_a_change_of_the_recipe_table_fails_run_and_diff_naming_the_gemm_and_ope
                 branch,
                 "--config",
                 "cases.toml",
-                "--charts",
-                "none",
                 "--workers",
                 "1",
                 "--report-dir",
