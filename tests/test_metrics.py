@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from precision_suite import quant_error, quant_stats, quantize
 from precision_suite.numerics import quantization
 from precision_suite.numerics import strategies as pst
+from precision_suite.numerics.metrics import reconstruction_stats
 
 SETTINGS = settings(max_examples=50, deadline=None)
 
@@ -59,6 +60,42 @@ def test_metrics_match_their_definitions_in_float64(x, fmt, data):
         assert m["distortion"] == pytest.approx(min(np.dot(a, b) / (na * nb), 1.0), rel=1e-12)
     if err and na:
         assert m["sqnr_db"] == pytest.approx(20 * np.log10(na / np.sqrt(err)), rel=1e-9)
+
+
+@SETTINGS
+@given(
+    x=pst.tensors(shape=pst.shapes(max_rows=100, max_cols=260), min_log2=-60, max_log2=60, nonfinite=True),
+    fmt=pst.formats(),
+    data=st.data(),
+)
+def test_the_sums_of_someone_elses_quantization_match_their_definitions(x, fmt, data):
+    """reconstruction_stats (the observation's sums of a model's own quantization, which counts in
+    float arithmetic where everything is finite) against the definitions in numpy float64: the
+    reconstruction is the suite's quantization of x, sometimes with a NaN or Inf planted in it, and
+    the scaled values are x times a drawn factor, so that some round past the format's max."""
+    layout = data.draw(pst.layouts(fmt))
+    x_hat = quantize(torch.nan_to_num(x), fmt, layout).dequantized.contiguous()
+    if data.draw(st.booleans()):
+        x_hat.view(-1)[data.draw(st.integers(0, x.numel() - 1))] = data.draw(
+            st.sampled_from([math.nan, math.inf])
+        )
+    scaled = x * data.draw(st.sampled_from([0.0, 1.0, 2.0**20]))
+    threshold = 464.0
+    m = reconstruction_stats(x, x_hat, scaled, threshold).metrics()
+    a, b, s = (t.double().numpy().ravel() for t in (x, x_hat, scaled))
+    finite = np.isfinite(a)
+    assert m["nonfinite_in"] == np.sum(~finite)
+    assert m["underflow"] == np.mean((a != 0) & (b == 0))  # NaN is not zero
+    assert m["zeros_after"] == np.mean(b == 0)
+    assert m["overflow"] == np.mean((np.abs(s) > threshold) | ~np.isfinite(b))
+    a, b = np.where(finite, a, 0.0), np.where(finite, b, 0.0)
+    if finite.any():
+        err = np.sum((a - b) ** 2)
+        if np.isfinite(err):
+            assert m["mse"] == pytest.approx(err / finite.sum(), rel=1e-12, abs=0)
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        if na and nb and np.isfinite(nb):
+            assert m["distortion"] == pytest.approx(min(np.dot(a, b) / (na * nb), 1.0), rel=1e-12)
 
 
 def test_e4m3_underflow_is_exactly_the_science_md_threshold():

@@ -17,6 +17,7 @@ from precision_suite import quantize
 from precision_suite.numerics import strategies as pst
 from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, ElementType, Format
 from precision_suite.numerics.quantization import round_by_bits, round_to_element
+from precision_suite.training.observed_operands import codes
 
 F32 = np.float32
 FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
@@ -225,3 +226,43 @@ def test_amax_block_scales_are_float32_quotients_rounded_as_ieee_division(fmt):
     quotient = np.divide(amax, np.float32(FORMATS[fmt].element.max), dtype=np.float32)
     expected = np.maximum(quotient, np.float32(TINY_SCALE))
     assert np.array_equal(scales.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "torch_dtype, dtype",
+    [
+        (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+        (torch.float8_e5m2, ml_dtypes.float8_e5m2),
+        (torch.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz),
+        (torch.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz),
+    ],
+    ids=str,
+)
+def test_the_code_tables_of_the_observation_round_like_ml_dtypes(torch_dtype, dtype):
+    """The tables the observation checks a model's own casts with (observed_operands.codes): each
+    code's value is ml_dtypes', and the float32 values whose interval holds a code are exactly those
+    ml_dtypes' round-to-nearest-even (saturating at +-max) maps to that code's value: every grid
+    value, midpoint and neighbour, 2**16 random float32 bit patterns, values past the max."""
+    table = codes(torch_dtype, torch.device("cpu"))
+    value = np.arange(256, dtype=np.uint8).view(dtype).astype(F32)
+    np.testing.assert_array_equal(table.value.numpy(), value)  # NaN codes: NaN, whatever the payload
+    fmax = float(np.nanmax(value[np.isfinite(value)]))
+    grid = np.unique(all_finite_values(dtype))
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(F32)
+    random = np.random.default_rng(0).integers(0, 2**32, size=2**16, dtype=np.uint32).view(F32)
+    probes = np.concatenate(
+        [
+            grid,
+            mids,
+            np.nextafter(mids, F32(np.inf)),
+            np.nextafter(mids, F32(-np.inf)),
+            random[np.isfinite(random)],
+            np.array([fmax * 2, -fmax * 2, 3e38, -3e38, 0.0, -0.0], F32),
+        ]
+    ).astype(F32)
+    nearest = np.clip(probes, -fmax, fmax).astype(dtype).astype(F32)
+    low, high = table.low.numpy(), table.high.numpy()
+    for chunk in np.array_split(np.arange(probes.size), 16):
+        v = probes[chunk, None]
+        inside = (low[None, :] <= v) & (v <= high[None, :])
+        assert np.array_equal(inside, value[None, :] == nearest[chunk, None])

@@ -92,11 +92,32 @@ def _first_matrix(tensor: Tensor) -> Tensor:
     return tensor[0]
 
 
+_first_matrix.key = "first matrix"  # type: ignore[attr-defined]
+
+
 def _replay(
     op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Callable[[Tensor], Tensor]:
-    """The op applied to another tensor with the same arguments."""
-    return lambda tensor: op(tensor, *args, **kwargs)
+    """The op applied to another tensor with the same arguments. Its `key` names the op and its
+    arguments (observed_operands.block_factor caches the blocks of a chain by the keys of its
+    steps), None where an argument is not a plain value."""
+
+    def replay(tensor: Tensor) -> Tensor:
+        return op(tensor, *args, **kwargs)
+
+    replay.key = _plain((op, tuple(args), tuple(sorted(kwargs.items()))))  # type: ignore[attr-defined]
+    return replay
+
+
+def _plain(value: Any) -> Any:
+    """`value` with lists as tuples where it holds only ints, floats, strings, dtypes and ops
+    (hashable, and equal exactly when the replay does the same), else None."""
+    if isinstance(value, (list, tuple)):
+        items = tuple(_plain(item) for item in value)
+        return None if any(item is None and orig is not None for item, orig in zip(items, value)) else items
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.memory_format)):
+        return value
+    return value if callable(value) and not isinstance(value, Tensor) else None
 
 
 # ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
@@ -141,7 +162,8 @@ class _GemmOperand:
     """A GEMM argument as received: data (low precision; a high-precision tensor where `scaling` is
     None: an unquantized operand), its scaling, and which tensor role a subclass says it has
     (torchao's GemmInputRole) when it says so. A dequantized operand also names its cast and that
-    cast's source and input in the executed orientation (`Dequantization.operand`)."""
+    cast's source and input in the executed orientation (`Dequantization.operand`), and, where it
+    was dequantized with its scale before the GEMM, the reconstruction the GEMM took (`consumed`)."""
 
     data: Tensor
     scaling: Scaling | None
@@ -149,6 +171,7 @@ class _GemmOperand:
     cast: Cast | None = None
     source: Tensor | None = None
     cast_input: Tensor | None = None
+    consumed: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -187,15 +210,22 @@ class Dequantization:
         data = replayed(cast.output)
         if data is None or data.shape != tensor.shape or data.dim() != 2:
             return None
+        consumed = None  # the GEMM's product is scaled afterwards: it took the unscaled values
         if self.scaling is None:
             scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
         else:
+            consumed = tensor.detach()
             factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at :])
             if factor is None:
                 return None
             scaling = Scaling(self.scaling.op, factor)
         return _GemmOperand(
-            data, scaling, cast=cast, source=replayed(cast.source), cast_input=replayed(cast.cast_input)
+            data,
+            scaling,
+            cast=cast,
+            source=replayed(cast.source),
+            cast_input=replayed(cast.cast_input),
+            consumed=consumed,
         )
 
 
@@ -555,11 +585,12 @@ class Observation(TorchDispatchMode):
         if given.scaling is None:
             return describe_operand(module, gemm, operand, data, None, None, None, fast)
         scaling = given.scaling.transposed() if turn else given.scaling
+        consumed = None
         if given.cast is not None:  # a dequantized cast: its tensors came with it, as executed
             given.cast.consume()
-            source, cast_input = (
+            source, cast_input, consumed = (
                 (None if t is None else (t.t() if turn else t).float())
-                for t in (given.source, given.cast_input)
+                for t in (given.source, given.cast_input, given.consumed)
             )
             source = source if source is not None else self._live_source(module, operand, data)
         else:
@@ -567,7 +598,7 @@ class Observation(TorchDispatchMode):
             if found is not None:
                 found[0].consumed = True
             source, cast_input = self._source(module, operand, data, found, turn)
-        return describe_operand(module, gemm, operand, data, scaling, source, cast_input, fast)
+        return describe_operand(module, gemm, operand, data, scaling, source, cast_input, fast, consumed)
 
     def _live_source(self, module: str, operand: str, data: Tensor) -> Tensor | None:
         live = self.live.get(module, {}).get(OPERAND_TENSORS[operand])

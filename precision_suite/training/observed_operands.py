@@ -97,50 +97,60 @@ def describe_operand(
     source: Tensor | None,
     cast_input: Tensor | None,
     fast: bool | None,
+    consumed: Tensor | None = None,
 ) -> ObservedOperand:
     """One operand, in the suite's orientation: `data` the 8-bit values (a high-precision tensor
     where `scaling` is None: taken unquantized), `scaling` its scale over `data`, `source` the
     high-precision tensor it was quantized from and `cast_input` its cast's input (None: not
-    found), `fast` its GEMM's use_fast_accum."""
+    found), `fast` its GEMM's use_fast_accum, `consumed` the reconstruction a fake-quantized GEMM
+    took (None: the data times its scale, as a scaled GEMM computes)."""
     shape = f"{data.shape[0]}x{data.shape[1]}"
     if scaling is None:
         return ObservedOperand(module, gemm, operand, UNQUANTIZED, "", "", "", fast, None, 0, 0, shape=shape)
     fmt = low_precision_format(data.dtype) or str(data.dtype).removeprefix("torch.")
-    factor = _broadcast_factor(scaling.factor, data.shape)
-    granularity = _granularity(scaling.factor, data.shape, factor)
+    compact = _compact_factor(scaling.factor, data.shape)
+    granularity = _granularity(scaling.factor, data.shape, compact is not None)
     block = (
         "tensor"
         if granularity in ("tensor", "unknown")
         else f"{data.shape[0] // scaling.factor.shape[0]}x{data.shape[1] // scaling.factor.shape[1]}"
     )
     kind = _scale_kind(scaling.factor)
-    q = data.float()
-    if factor is None:
+    if compact is None:
         return ObservedOperand(
             module, gemm, operand, fmt, granularity, block, kind, fast, None, 0, 0, shape=shape
         )
-    dequantized = Scaling(scaling.op, factor).dequantized(q)
+    if not data.is_contiguous() and data.t().is_contiguous():
+        # what follows is the same in either orientation: sweep the tensors in memory order
+        data, source, cast_input, consumed, compact = (
+            None if t is None else t.t() for t in (data, source, cast_input, consumed, compact)
+        )
+    blocks = tuple(compact.shape)
+    per_block = Scaling(scaling.op, compact.reshape(blocks[0], 1, blocks[1], 1))
+    table = codes(data.dtype, data.device) if low_precision_format(data.dtype) else None
+    index = table.index(data) if table is not None else None
+
+    def values() -> Tensor:  # the 8-bit values as float32, by block
+        q = data.float() if table is None else table.value.index_select(0, index).reshape(data.shape)
+        return _per_block(q, blocks)
+
+    dequantized = per_block.dequantized(values()) if consumed is None else consumed.contiguous()
     stats, mismatched, checked = None, 0, 0
-    scaled = Scaling(scaling.op, factor).scaled(source) if source is not None else None
+    scaled = per_block.scaled(_per_block(source.contiguous(), blocks)) if source is not None else None
     # where amax maps: the scaled source before any clamp, else the 8-bit values the GEMM took
-    target = scale_target(
-        scaled if scaled is not None else q,
-        scaling.factor.shape if scaling.factor.numel() > 1 else (1, 1),
-        fmt,
-        kind,
-    )
+    target = scale_target((scaled if scaled is not None else values()).reshape(data.shape), blocks, fmt, kind)
     if scaled is not None:
         # the cast's own input, where the GEMM's scale agrees with the cast's: exact, no slack
-        exact = cast_input is not None and bool(
-            ((cast_input - scaled).abs() <= scaled.abs() * _SOURCE_SLACK).all()
-        )
+        cast_input = None if cast_input is None else _per_block(cast_input.contiguous(), blocks)
+        exact = cast_input is not None and _within(cast_input, scaled, _SOURCE_SLACK)
         reference = cast_input if exact else scaled
         element = _element(fmt)
         threshold = element.overflow_threshold if element is not None else math.inf
-        stats = reconstruction_stats(source, dequantized, reference.abs() > threshold)
+        stats = reconstruction_stats(source, dequantized, reference, threshold)
         if element is not None:
             slack = 0.0 if exact else _SOURCE_SLACK
-            mismatched, checked = int(_unlike_nearest(q, reference, element, slack)), q.numel()
+            mismatched = _unlike_nearest(values, reference, element, slack, index, table)
+            checked = data.numel()
     return ObservedOperand(
         module,
         gemm,
@@ -168,10 +178,9 @@ def _element(fmt: str) -> ElementType | None:
         return None
 
 
-def _broadcast_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
-    """The scale factor broadcast over a 2-D operand: one per tensor, row, column or block (a
-    factor of shape (R/r, C/c) repeated r and c times); None for a layout this cannot read
-    (swizzled MX scales)."""
+def _compact_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
+    """The scale factor as one value per block of a 2-D operand of `shape`, shape (R/r, C/c): one
+    per tensor, row, column or block; None for a layout this cannot read (swizzled MX scales)."""
     if factor.numel() == 1:
         return factor.reshape(1, 1)
     if factor.dim() != 2:
@@ -180,14 +189,21 @@ def _broadcast_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
     fr, fc = factor.shape
     if fr == 0 or fc == 0 or rows % fr or cols % fc:
         return None
-    return factor.repeat_interleave(rows // fr, dim=0).repeat_interleave(cols // fc, dim=1)
+    return factor
 
 
-def _granularity(factor: Tensor, shape: torch.Size, broadcast: Tensor | None) -> str:
+def _per_block(t: Tensor, blocks: Sequence[int]) -> Tensor:
+    """A 2-D tensor (R, C) as (R/r, r, C/c, c) for `blocks` = (R/r, C/c): a view, so that a factor
+    of shape (R/r, 1, C/c, 1) scales each block without being repeated over it."""
+    rows, cols = t.shape
+    return t.reshape(blocks[0], rows // blocks[0], blocks[1], cols // blocks[1])
+
+
+def _granularity(factor: Tensor, shape: torch.Size, readable: bool) -> str:
     """ "tensor", "row" (one scale per row), "column", "RxC" blocks, or "unknown"."""
     if factor.numel() == 1:
         return "tensor"
-    if broadcast is None:
+    if not readable:
         return "unknown"
     rows, cols = shape
     block = (rows // factor.shape[0], cols // factor.shape[1])
@@ -211,11 +227,36 @@ def block_factor(
     if factor.numel() == 1:
         return factor.float().reshape(())
     expanded = factor.numel() == math.prod(shape_at)
-    key = (
-        factor.float()
-        if expanded
-        else torch.arange(factor.numel(), device=factor.device).reshape(factor.shape)
-    )
+    if expanded:
+        compact = _compact_key(factor.float(), shape_at, chain)
+        return None if compact is None else compact.float()
+    # which factor each block takes depends on the shapes and the chain only: cached by them
+    steps = tuple(getattr(step, "key", None) for step in chain)
+    cache_key = (tuple(factor.shape), factor.device, tuple(shape_at), steps)
+    if None in steps:
+        index = _compact_key(
+            torch.arange(factor.numel(), device=factor.device).reshape(factor.shape), shape_at, chain
+        )
+    else:
+        if cache_key not in _BLOCK_INDEX:
+            if len(_BLOCK_INDEX) >= 4096:
+                _BLOCK_INDEX.clear()
+            _BLOCK_INDEX[cache_key] = _compact_key(
+                torch.arange(factor.numel(), device=factor.device).reshape(factor.shape), shape_at, chain
+            )
+        index = _BLOCK_INDEX[cache_key]
+    return None if index is None else factor.float().flatten()[index]
+
+
+# (factor shape, device, shape_at, the chain's step keys) -> block_factor's index of each block's factor
+_BLOCK_INDEX: dict[tuple, Tensor | None] = {}
+
+
+def _compact_key(
+    key: Tensor, shape_at: Sequence[int], chain: Sequence[Callable[[Tensor], Tensor]]
+) -> Tensor | None:
+    """`key` broadcast over `shape_at` and taken through `chain`, one value per block of the 2-D
+    result; None where the blocks do not tile it (block_factor)."""
     try:
         key = key.expand(tuple(shape_at))
         for step in chain:
@@ -229,7 +270,7 @@ def block_factor(
     rows, cols = key.shape
     if not bool((key.reshape(rows // r, r, cols // c, c) == compact[:, None, :, None]).all()):
         return None
-    return compact.float() if expanded else factor.float().flatten()[compact]
+    return compact
 
 
 def _run_length(key: Tensor) -> int:
@@ -257,9 +298,8 @@ def scale_target(scaled: Tensor, blocks: Sequence[int], fmt: str, scale_kind: st
     across, down = blocks
     if across == 0 or down == 0 or rows % across or cols % down:
         return math.nan
-    amax = (
-        scaled.detach().abs().reshape(across, rows // across, down, cols // down).amax(dim=(1, 3)).flatten()
-    )
+    blocked = scaled.detach().reshape(across, rows // across, down, cols // down)
+    amax = torch.maximum(blocked.amax(dim=(1, 3)), -blocked.amin(dim=(1, 3))).flatten()  # no |x| pass
     amax = amax[torch.isfinite(amax) & (amax > 0)]
     if not amax.numel():
         return math.nan
@@ -280,20 +320,95 @@ def _scale_kind(factor: Tensor) -> str:
     return kind
 
 
-def _unlike_nearest(q: Tensor, scaled: Tensor, element: ElementType, slack: float) -> Tensor:
-    """Elements of q (low-precision values as float32) that round-to-nearest-even of the scaled
-    source cannot give, saturating at +-max, allowing the source the relative `slack` of its
-    recomputation: q must lie between the roundings of the interval's ends (rounding is
-    monotone). A non-finite source admits NaN and +-max."""
+@dataclass(frozen=True)
+class Codes:
+    """The 256 codes of an 8-bit float dtype as tables indexed by code: `value`, torch's own
+    conversion of each; `low` and `high`, the float32 interval that round-to-nearest-even (ties to
+    the even code, saturating at +-max) maps onto it, empty (low > high) for NaN and infinities.
+    Gathering from the tables costs a CPU a fraction of torch's conversion of 8-bit floats."""
+
+    value: Tensor
+    low: Tensor
+    high: Tensor
+
+    def index(self, data: Tensor) -> Tensor:
+        """The codes of 8-bit `data`, flat, as the tables' index."""
+        return data.reshape(-1).view(torch.uint8).long()  # index_select gathers faster by int64
+
+
+def codes(dtype: torch.dtype, device: torch.device) -> Codes:
+    """The tables of an 8-bit float dtype (cached)."""
+    key = (dtype, device)
+    if key not in _CODES:
+        value = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+        finite = torch.isfinite(value)
+        grid = torch.unique(value[finite].double())  # sorted; +0 and -0 are one value
+        v = torch.where(finite, value, 0.0).double()
+        at = torch.searchsorted(grid, v)  # each code's place on the grid
+        below = torch.cat([grid[:1] - math.inf, grid])[at]  # below -max: nothing
+        above = torch.cat([grid, grid[-1:] + math.inf])[at + 1]  # above +max: saturates to it
+        low, high = ((below + v) / 2).float(), ((v + above) / 2).float()
+        # a tie goes to the even code: an odd code's interval leaves out its midpoints
+        odd = (torch.arange(256) % 2 == 1) & finite
+        low = torch.where(odd, torch.nextafter(low, torch.full_like(low, math.inf)), low)
+        high = torch.where(odd, torch.nextafter(high, torch.full_like(high, -math.inf)), high)
+        low, high = torch.where(finite, low, math.inf), torch.where(finite, high, -math.inf)
+        _CODES[key] = Codes(value.to(device), low.to(device), high.to(device))
+    return _CODES[key]
+
+
+_CODES: dict[tuple[torch.dtype, torch.device], Codes] = {}
+
+
+def _within(values: Tensor, reference: Tensor, slack: float) -> bool:
+    """Whether every element of `values` is within the relative `slack` of `reference`: false where
+    either is NaN. In float arithmetic, which a CPU runs several times faster than comparisons;
+    first whether they are equal (the usual case: the same op on the same tensors)."""
+    difference = values - reference
+    if not int(torch.count_nonzero(difference)):  # NaN - anything is NaN: counted
+        return True
+    excess = difference.abs_().sub_(reference.abs(), alpha=slack)
+    return bool(excess.amax() <= 0)
+
+
+def _rounds_to_nearest(index: Tensor, scaled: Tensor, table: Codes) -> bool:
+    """Whether each code in `index` is the round-to-nearest-even of its element of `scaled`
+    (saturating): each lies in its code's interval. False where any scaled element is NaN."""
+    scaled = scaled.reshape(-1)
+    below = table.low.index_select(0, index).sub_(scaled)  # <= 0 where scaled >= low
+    above = table.high.index_select(0, index).sub_(scaled)  # >= 0 where scaled <= high
+    return bool(below.amax() <= 0) and bool(above.amin() >= 0)
+
+
+def _unlike_nearest(
+    values: Callable[[], Tensor],
+    scaled: Tensor,
+    element: ElementType,
+    slack: float,
+    index: Tensor | None = None,
+    table: Codes | None = None,
+) -> int:
+    """How many elements of q = values() (the low-precision values as float32, computed only where
+    the tables do not settle it) round-to-nearest-even of the
+    scaled source cannot give, saturating at +-max, allowing the source the relative `slack` of
+    its recomputation: q must lie between the roundings of the interval's ends (rounding is
+    monotone). A non-finite source admits NaN and +-max.
+
+    First q against the rounding of the source itself, which every admitted interval contains: a
+    quantization that matches it (the usual case) is settled in a few float operations on the
+    codes' tables (`index` the codes of q, `table` theirs; without them every element is rounded)."""
+    if table is not None and index.numel() and _rounds_to_nearest(index, scaled, table):
+        return 0
+    q = values()
     finite = torch.isfinite(scaled)
     value = torch.where(finite, scaled, 0.0)
     if slack == 0:  # the exact input: one rounding
         nearest = round_by_bits(value.clamp(-element.max, element.max), element)
         admitted = torch.where(finite, q == nearest, q.isnan() | (q.abs() == element.max))
-        return (~admitted).sum()
+        return int((~admitted).sum())
     low = value - value.abs() * slack
     high = value + value.abs() * slack
     low = round_by_bits(low.clamp(-element.max, element.max), element)
     high = round_by_bits(high.clamp(-element.max, element.max), element)
     admitted = torch.where(finite, (q >= low) & (q <= high), q.isnan() | (q.abs() == element.max))
-    return (~admitted).sum()
+    return int((~admitted).sum())
