@@ -10,7 +10,7 @@ import torch
 from precision_suite.numerics.accumulation import ERROR_FIELDS
 from precision_suite.numerics.metrics import SUM_FIELDS, quant_stats
 from precision_suite.reports.figures import _gemms_as_run
-from precision_suite.training.observation import GEMMS
+from precision_suite.training.observed_operands import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
 from precision_suite.training.recipes import GEMM_OPERANDS
 from precision_suite.training.views import (

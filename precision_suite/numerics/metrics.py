@@ -166,19 +166,23 @@ def reconstruction_stats(
         return QuantStats(_sums(x, x_hat.reshape(x.shape), torch.isfinite(x), overflowed), nan)
     product = x64 * y64  # zero exactly where either is: float32 products do not underflow float64
     err = x64.sub_(y64)  # x64 is this function's own copy
-    overflow = 0
+    nonzero = torch.stack([torch.count_nonzero(t) for t in (x, product, x_hat)]).double()
+    overflow = torch.zeros((), dtype=torch.float64, device=x.device)
     if scaled.numel() and not bool(torch.maximum(scaled.amax(), -scaled.amin()) <= threshold):
-        overflow = int(torch.count_nonzero(scaled.abs() > threshold))
-    numel = x64.numel()
-    counts = [
+        overflow += torch.count_nonzero(scaled.abs() > threshold)
+    numel = torch.full((), x64.numel(), dtype=torch.float64, device=x.device)
+    sums = [
         numel,
-        0,  # nonfinite_in
-        int(torch.count_nonzero(x)) - int(torch.count_nonzero(product)),  # underflow
-        numel - int(torch.count_nonzero(x_hat)),  # zeros_after
+        torch.zeros_like(numel),  # nonfinite_in
+        nonzero[0] - nonzero[1],  # underflow
+        numel - nonzero[2],  # zeros_after
         overflow,
+        product.sum(),
+        xx,
+        yy,
+        torch.dot(err, err),
     ]
-    sums = torch.stack([product.sum(), xx, yy, torch.dot(err, err)])
-    return QuantStats(torch.cat([torch.tensor(counts, dtype=torch.float64, device=x.device), sums]), nan)
+    return QuantStats(torch.stack(sums), nan)
 
 
 def quant_stats(

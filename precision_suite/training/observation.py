@@ -1,6 +1,7 @@
 """What the model's own code quantized: every cast into an 8-bit float, every scaled GEMM and every
 GEMM on dequantized casts (fake quantization), observed on sampled steps, forward and backward,
-from any code. This module captures them; observed_operands.py describes each operand.
+from any code. This module captures them (dequantization.py: how a dequantized tensor links to its
+cast; model_modes.py: what runs around the mode); observed_operands.py describes each operand.
 
 The probes (recorder.py) answer "what would recipe R do to these tensors"; this module answers
 "what did this model do". A ``TorchDispatchMode`` sees each ATen op below autograd, so it sees
@@ -38,32 +39,34 @@ described and its casts count as unconsumed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode_temporarily,
-)
 from torch.utils.weak import WeakIdKeyDictionary
 
+from precision_suite.training.dequantization import (
+    RELINKS,
+    Cast,
+    Dequantization,
+    GemmOperand,
+    first_matrix,
+    same_op,
+)
+from precision_suite.training.model_modes import MATRIX_PRODUCTS, MODULE_TAG, ModelMode
 from precision_suite.training.observed_operands import (
     CONTRACTION_AXIS,
     ObservedOperand,
     Scaling,
-    block_factor,
+    StepObservation,
     describe_operand,
     low_precision_format,
 )
 
 aten = torch.ops.aten
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 # the module tensor each operand is, for a linear-like module (Observation.live)
 OPERAND_TENSORS = {
     "fprop.a": "x",
@@ -76,157 +79,6 @@ OPERAND_TENSORS = {
 _CASTS = {aten._to_copy.default}
 _SCALINGS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div"}
 _CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default}
-# the matrix products torch's matmul, `@`, F.linear and einsum reach below autograd
-_MATRIX_PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-
-
-def _as_reshape(tensor: Tensor, size: Sequence[int]) -> Tensor:
-    return tensor.reshape(size)  # a replayed view may not be viewable (an expanded id tensor)
-
-
-def _same(tensor: Tensor, *_: Any, **__: Any) -> Tensor:
-    return tensor
-
-
-def _first_matrix(tensor: Tensor) -> Tensor:
-    return tensor[0]
-
-
-_first_matrix.key = "first matrix"  # type: ignore[attr-defined]
-
-
-def _replay(
-    op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> Callable[[Tensor], Tensor]:
-    """The op applied to another tensor with the same arguments. Its `key` names the op and its
-    arguments (observed_operands.block_factor caches the blocks of a chain by the keys of its
-    steps), None where an argument is not a plain value."""
-
-    def replay(tensor: Tensor) -> Tensor:
-        return op(tensor, *args, **kwargs)
-
-    replay.key = _plain((op, tuple(args), tuple(sorted(kwargs.items()))))  # type: ignore[attr-defined]
-    return replay
-
-
-def _plain(value: Any) -> Any:
-    """`value` with lists as tuples where it holds only ints, floats, strings, dtypes and ops
-    (hashable, and equal exactly when the replay does the same), else None."""
-    if isinstance(value, (list, tuple)):
-        items = tuple(_plain(item) for item in value)
-        return None if any(item is None and orig is not None for item, orig in zip(items, value)) else items
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.memory_format)):
-        return value
-    return value if callable(value) and not isinstance(value, Tensor) else None
-
-
-# ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
-# tensors at the GEMM (None: the op itself)
-_RELINKS: dict[Any, Callable[..., Tensor] | None] = {
-    aten.view.default: _as_reshape,
-    aten._unsafe_view.default: _as_reshape,
-    aten.reshape.default: _as_reshape,
-    aten.t.default: None,
-    aten.transpose.int: None,
-    aten.permute.default: None,
-    aten.expand.default: None,
-    aten.unsqueeze.default: None,
-    aten.squeeze.dim: None,
-    aten.squeeze.default: None,
-    aten.clone.default: _same,
-    aten.alias.default: _same,
-    aten.detach.default: _same,
-}
-
-
-@dataclass
-class Cast:
-    """One cast into a low-precision dtype: its input, output and what came before it."""
-
-    module: str
-    cast_input: Tensor  # float, already scaled
-    output: Tensor  # low precision
-    source: Tensor | None  # the tensor before the scaling op (None: no scaling op seen)
-    scaling: Scaling | None
-    consumed: bool = False  # an observed GEMM took its output as an operand
-    origin: Cast | None = None  # the cast whose output the model's code changed into this one's
-
-    def consume(self) -> None:
-        self.consumed = True
-        if self.origin is not None:
-            self.origin.consumed = True
-
-
-@dataclass
-class _GemmOperand:
-    """A GEMM argument as received: data (low precision; a high-precision tensor where `scaling` is
-    None: an unquantized operand), its scaling, and which tensor role a subclass says it has
-    (torchao's GemmInputRole) when it says so. A dequantized operand also names its cast and that
-    cast's source and input in the executed orientation (`Dequantization.operand`), and, where it
-    was dequantized with its scale before the GEMM, the reconstruction the GEMM took (`consumed`)."""
-
-    data: Tensor
-    scaling: Scaling | None
-    role: str | None = None
-    cast: Cast | None = None
-    source: Tensor | None = None
-    cast_input: Tensor | None = None
-    consumed: Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Dequantization:
-    """How a tensor the mode saw derives from an observed cast's output: through `chain` (the
-    views, reshapes and transposes since the cast, replayed on the cast's tensors at the GEMM),
-    cast back to a wider float (`wide`), and multiplied or divided by a scale (`scaling`, after the
-    first `at` ops of the chain, on a tensor of shape `shape_at`). Fake quantization: a GEMM that
-    takes such a tensor computes with the dequantized 8-bit values."""
-
-    cast: Cast
-    chain: tuple[Callable[[Tensor], Tensor], ...] = ()
-    wide: bool = False
-    scaling: Scaling | None = None
-    at: int = 0
-    shape_at: tuple[int, ...] = ()
-
-    def then(self, replay: Callable[[Tensor], Tensor]) -> Dequantization:
-        return replace(self, chain=(*self.chain, replay))
-
-    def operand(self, tensor: Tensor) -> _GemmOperand | None:
-        """The GEMM operand `tensor` (2-D, as the GEMM received it) is: the cast's output, source
-        and input through the same chain, and the scale as one factor per block of `tensor`
-        (``_block_factor``); the cast's own scale where nothing scaled after the cast (a GEMM whose
-        result is scaled instead). None where the chain does not give `tensor`'s shape."""
-        cast = self.cast
-
-        def replayed(t: Tensor | None) -> Tensor | None:
-            if t is None or t.shape != cast.output.shape:
-                return None
-            t = t.detach()
-            for step in self.chain:
-                t = step(t)
-            return t
-
-        data = replayed(cast.output)
-        if data is None or data.shape != tensor.shape or data.dim() != 2:
-            return None
-        consumed = None  # the GEMM's product is scaled afterwards: it took the unscaled values
-        if self.scaling is None:
-            scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
-        else:
-            consumed = tensor.detach()
-            factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at :])
-            if factor is None:
-                return None
-            scaling = Scaling(self.scaling.op, factor)
-        return _GemmOperand(
-            data,
-            scaling,
-            cast=cast,
-            source=replayed(cast.source),
-            cast_input=replayed(cast.cast_input),
-            consumed=consumed,
-        )
 
 
 @dataclass(frozen=True)
@@ -243,26 +95,15 @@ class GemmCall:
     fast_accumulation: bool | None  # the call's use_fast_accum, None where it does not say
 
 
-@dataclass
-class StepObservation:
-    """What one sampled step observed (no tensor of the step is kept)."""
-
-    operands: list[ObservedOperand] = field(default_factory=list)
-    cast_modules: set[str] = field(default_factory=set)  # modules that cast to 8-bit floats
-    unconsumed: dict[str, int] = field(
-        default_factory=dict
-    )  # module -> elements cast but fed to no GEMM seen
-
-
-def _torchao_operand(tensor: Tensor) -> _GemmOperand:
+def _torchao_operand(tensor: Tensor) -> GemmOperand:
     """torchao.float8's Float8TrainingTensor: `_data` = x * `_scale`, its role and GEMM configs."""
     role = str(getattr(tensor, "_gemm_input_role", "")).rsplit(".", 1)[-1].lower() or None
-    return _GemmOperand(tensor._data, Scaling("mul", tensor._scale), role)
+    return GemmOperand(tensor._data, Scaling("mul", tensor._scale), role)
 
 
 # tensor subclasses whose GEMMs are scaled GEMMs, by class (matched by name: torchao need not be
 # installed) -> how to read one as a GEMM operand
-SUBCLASS_OPERANDS: dict[str, Callable[[Tensor], _GemmOperand]] = {
+SUBCLASS_OPERANDS: dict[str, Callable[[Tensor], GemmOperand]] = {
     "torchao.float8.float8_training_tensor.Float8TrainingTensor": _torchao_operand,
 }
 # torchao's GemmInputRole of each operand: which GEMM a pair of roles is
@@ -279,7 +120,7 @@ _TORCHAO_SIDES = {
 _TORCHAO_GEMM_CONFIG = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
 
 
-def _subclass_reader(tensor: object) -> Callable[[Tensor], _GemmOperand] | None:
+def _subclass_reader(tensor: object) -> Callable[[Tensor], GemmOperand] | None:
     for cls in type(tensor).__mro__:
         reader = SUBCLASS_OPERANDS.get(f"{cls.__module__}.{cls.__qualname__}")
         if reader is not None:
@@ -287,7 +128,7 @@ def _subclass_reader(tensor: object) -> Callable[[Tensor], _GemmOperand] | None:
     return None
 
 
-class Observation(TorchDispatchMode):
+class Observation(ModelMode):
     """The dispatch mode of one sampled step (module docstring).
 
     module_now(): the innermost module running (the recorder's forward stack); in backward the
@@ -339,13 +180,13 @@ class Observation(TorchDispatchMode):
         elif func in _CLAMPS:
             if isinstance(out, Tensor) and isinstance(args[0], Tensor):
                 self._clamped[out] = args[0]
-        elif func in _RELINKS:
+        elif func in RELINKS:
             link = self._links.get(args[0]) if isinstance(args[0], Tensor) else None
             if link is not None and isinstance(out, Tensor):
-                self._links[out] = link.then(_replay(_RELINKS[func] or func, args[1:], kwargs))
+                self._links[out] = link.then(same_op(RELINKS[func] or func, args[1:], kwargs))
         elif func is aten._scaled_mm.default:
             self._scaled_mm(*args, **kwargs)
-        elif func in _MATRIX_PRODUCTS:
+        elif func in MATRIX_PRODUCTS:
             readers = [_subclass_reader(arg) for arg in args[-2:]]
             if all(reader is not None for reader in readers):
                 self._subclass_gemm(func, args)
@@ -414,7 +255,7 @@ class Observation(TorchDispatchMode):
         if func is aten.bmm.default:  # one matrix of a batch: the links go by the 3-D tensors
             if any(t.dim() != 3 or t.shape[0] != 1 for t in pair):
                 return
-            links = [None if link is None else link.then(_first_matrix) for link in links]
+            links = [None if link is None else link.then(first_matrix) for link in links]
             pair = [t[0] for t in pair]
         dequantized = [link if link is not None and link.wide else None for link in links]
         if not any(dequantized):
@@ -423,7 +264,7 @@ class Observation(TorchDispatchMode):
                 return
         operands = []
         for tensor, link in zip(pair, dequantized):
-            operand = link.operand(tensor) if link is not None else _GemmOperand(tensor.detach(), None)
+            operand = link.operand(tensor) if link is not None else GemmOperand(tensor.detach(), None)
             if operand is None:
                 return  # a chain this cannot replay: not described rather than misdescribed
             operands.append(operand)
@@ -459,8 +300,8 @@ class Observation(TorchDispatchMode):
         use_fast_accum: bool = False,
     ) -> None:
         self._gemm(
-            _GemmOperand(a, Scaling("div", scale_a.float())),
-            _GemmOperand(b, Scaling("div", scale_b.float())),
+            GemmOperand(a, Scaling("div", scale_a.float())),
+            GemmOperand(b, Scaling("div", scale_b.float())),
             bool(use_fast_accum),
         )
 
@@ -477,7 +318,7 @@ class Observation(TorchDispatchMode):
             fast = bool(getattr(getattr(config, _TORCHAO_GEMM_CONFIG[gemm]), "use_fast_accum", False))
         self._gemm(a, b, fast)
 
-    def _gemm(self, a: _GemmOperand, b: _GemmOperand, fast: bool | None) -> None:
+    def _gemm(self, a: GemmOperand, b: GemmOperand, fast: bool | None) -> None:
         if a.data.dim() != 2 or b.data.dim() != 2:
             return
         module, backward = self._where()
@@ -511,7 +352,7 @@ class Observation(TorchDispatchMode):
             described = self._describe(module, gemm, f"{gemm}.{side}", operand, executed_axis, fast)
             self.operands.append(replace(described, quantized_gemm=quantized))
 
-    def _which_gemm(self, module: str, backward: bool, a: _GemmOperand, b: _GemmOperand) -> tuple[str, bool]:
+    def _which_gemm(self, module: str, backward: bool, a: GemmOperand, b: GemmOperand) -> tuple[str, bool]:
         """(fprop | dgrad | wgrad, whether the executed a and b are the suite's b and a).
 
         A subclass that names its operands' roles (torchao) says it exactly. Otherwise: forward is
@@ -543,7 +384,7 @@ class Observation(TorchDispatchMode):
             return "wgrad", out_shape == tuple(weight.shape[::-1])
         return ("dgrad" if seen == 1 else "wgrad"), False
 
-    def _is_tensor(self, module: str, operand: _GemmOperand, name: str) -> bool:
+    def _is_tensor(self, module: str, operand: GemmOperand, name: str) -> bool:
         """Whether the operand is (quantized from) the module's own tensor `name` ("x", "weight";
         a weight: or any parameter): the same memory."""
         if operand.scaling is None:
@@ -576,7 +417,7 @@ class Observation(TorchDispatchMode):
         return None
 
     def _describe(
-        self, module: str, gemm: str, operand: str, given: _GemmOperand, executed_axis: int, fast: bool | None
+        self, module: str, gemm: str, operand: str, given: GemmOperand, executed_axis: int, fast: bool | None
     ) -> ObservedOperand:
         """The operand in the suite's orientation, with the high-precision tensor it came from and
         its cast's input where found (its cast marked consumed)."""
@@ -658,100 +499,3 @@ class Observation(TorchDispatchMode):
             WeakIdKeyDictionary(),
         )
         return step
-
-
-def describe_observation(steps: Sequence[StepObservation], model: torch.nn.Module) -> str:
-    """What quantized a run, in a line: the classes of the modules whose scaled GEMMs were observed
-    and the observed recipe, e.g. "observed: Float8Linear (torchao.float8.float8_linear) in 4
-    modules; fprop e4m3:tensor x e4m3:tensor, dgrad e5m2:tensor x e4m3:tensor, ..."."""
-    modules = dict(model.named_modules())
-    operands = [item for step in steps for item in step.operands]
-    if not operands:
-        casts = sum(sum(step.unconsumed.values()) for step in steps)
-        return f"observed: {casts:,} elements cast to 8-bit floats, no scaled GEMM seen" if casts else ""
-    owners = dict.fromkeys(item.module for item in operands)
-    classes = dict.fromkeys(
-        f"{type(modules[name]).__name__} ({type(modules[name]).__module__})"
-        for name in owners
-        if name in modules
-    )
-    texts: dict[str, dict[str, None]] = {}
-    for item in operands:
-        texts.setdefault(item.operand, {})[item.text] = None
-    recipe = ", ".join(
-        f"{gemm} {' x '.join('|'.join(texts.get(f'{gemm}.{side}', {'-': None})) for side in 'ab')}"
-        for gemm in GEMMS
-        if f"{gemm}.a" in texts or f"{gemm}.b" in texts
-    )
-    return f"observed: {', '.join(classes) or 'the model'} in {len(owners)} module(s); {recipe}"
-
-
-MODULE_TAG = "precision_suite_module"
-
-
-def tag_nodes(outputs: Any, module: str, first_node: int) -> None:
-    """Name `module` in the metadata of every autograd node its forward created (sequence number
-    `first_node` or later) that an inner module has not named: in backward, the node being run
-    says which module's GEMMs these are (`Observation._where`)."""
-    pending = [
-        leaf.grad_fn
-        for leaf in torch.utils._pytree.tree_leaves(outputs)
-        if isinstance(leaf, Tensor) and leaf.grad_fn is not None
-    ]
-    seen: set[int] = set()
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in seen or node._sequence_nr() < first_node:
-            continue
-        seen.add(id(node))
-        node.metadata.setdefault(MODULE_TAG, module)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-
-
-def sequence_number() -> int:
-    """The sequence number the next autograd node created on this thread gets."""
-    return torch._C._autograd._get_sequence_nr()
-
-
-class GemmArguments(TorchDispatchMode):
-    """The operands every matrix product run inside it received, as executed: (a (M, K), b (K, N))
-    pairs in `calls` (aten.mm, addmm, and bmm of one matrix: what `@`, torch.matmul, F.linear and
-    einsum reach below autograd, whichever tensors the code hands them). A GEMM computed some other
-    way (the suite's emulation, under `unobserved`) hands its operands with `gemm_received`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Tensor, Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _MATRIX_PRODUCTS:  # mm(a, b), addmm(bias, a, b), bmm(a, b)
-            a, b = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in args[-2:])
-            self.calls.append((a, b))
-        return func(*args, **(kwargs or {}))
-
-
-def gemm_received(a: Tensor, b: Tensor) -> None:
-    """Count a (M, K) @ b (K, N) as a call of the innermost active `GemmArguments` (none: nothing)."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, GemmArguments):
-            mode.calls.append((a, b))
-            return
-
-
-@contextmanager
-def unobserved() -> Iterator[None]:
-    """Run the suite's own tensor code (its quantizers, probes, checks and GEMM emulation) without
-    being observed: the observation mode and argument captures are popped while it runs, so its
-    casts and products are not the model's and compiled code sees the same empty mode stack as on
-    any other call."""
-    with ExitStack() as popped:
-        while (stack := _get_current_dispatch_mode_stack()) and isinstance(
-            stack[-1], (Observation, GemmArguments)
-        ):
-            popped.enter_context(_pop_mode_temporarily())
-        yield
-
-
-def observing() -> bool:
-    """Whether an observation mode is active (a sampled step of an instrumented model)."""
-    return any(isinstance(mode, Observation) for mode in _get_current_dispatch_mode_stack())

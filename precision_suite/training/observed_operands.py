@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,6 +21,7 @@ from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.metrics import QuantStats, reconstruction_stats
 from precision_suite.numerics.quantization import round_by_bits
 
+GEMMS = ("fprop", "dgrad", "wgrad")
 # dtype name -> the suite's element format of the data; scale dtypes are described apart
 LOW_PRECISION = {
     "float8_e4m3fn": "e4m3",
@@ -81,6 +83,43 @@ class ObservedOperand:
     def text(self) -> str:
         """The recipe vocabulary's "<fmt>:<layout>" (recipes.Operand.text), "fp32" unquantized."""
         return self.fmt if self.fmt == UNQUANTIZED else f"{self.fmt}:{self.granularity}"
+
+
+@dataclass
+class StepObservation:
+    """What one sampled step observed (no tensor of the step is kept)."""
+
+    operands: list[ObservedOperand] = field(default_factory=list)
+    cast_modules: set[str] = field(default_factory=set)  # modules that cast to 8-bit floats
+    unconsumed: dict[str, int] = field(
+        default_factory=dict
+    )  # module -> elements cast but fed to no GEMM seen
+
+
+def describe_observation(steps: Sequence[StepObservation], model: torch.nn.Module) -> str:
+    """What quantized a run, in a line: the classes of the modules whose scaled GEMMs were observed
+    and the observed recipe, e.g. "observed: Float8Linear (torchao.float8.float8_linear) in 4
+    modules; fprop e4m3:tensor x e4m3:tensor, dgrad e5m2:tensor x e4m3:tensor, ..."."""
+    modules = dict(model.named_modules())
+    operands = [item for step in steps for item in step.operands]
+    if not operands:
+        casts = sum(sum(step.unconsumed.values()) for step in steps)
+        return f"observed: {casts:,} elements cast to 8-bit floats, no scaled GEMM seen" if casts else ""
+    owners = dict.fromkeys(item.module for item in operands)
+    classes = dict.fromkeys(
+        f"{type(modules[name]).__name__} ({type(modules[name]).__module__})"
+        for name in owners
+        if name in modules
+    )
+    texts: dict[str, dict[str, None]] = {}
+    for item in operands:
+        texts.setdefault(item.operand, {})[item.text] = None
+    recipe = ", ".join(
+        f"{gemm} {' x '.join('|'.join(texts.get(f'{gemm}.{side}', {'-': None})) for side in 'ab')}"
+        for gemm in GEMMS
+        if f"{gemm}.a" in texts or f"{gemm}.b" in texts
+    )
+    return f"observed: {', '.join(classes) or 'the model'} in {len(owners)} module(s); {recipe}"
 
 
 def low_precision_format(dtype: torch.dtype) -> str | None:
@@ -299,11 +338,13 @@ def scale_target(scaled: Tensor, blocks: Sequence[int], fmt: str, scale_kind: st
     if across == 0 or down == 0 or rows % across or cols % down:
         return math.nan
     blocked = scaled.detach().reshape(across, rows // across, down, cols // down)
-    amax = torch.maximum(blocked.amax(dim=(1, 3)), -blocked.amin(dim=(1, 3))).flatten()  # no |x| pass
-    amax = amax[torch.isfinite(amax) & (amax > 0)]
-    if not amax.numel():
+    # per block: the largest of max and -min (no pass for |x|), then a few values, in numpy
+    extremes = torch.stack([blocked.amax(dim=(1, 3)), blocked.amin(dim=(1, 3))]).cpu().numpy()
+    amax = np.maximum(extremes[0], -extremes[1]).ravel()
+    amax = np.sort(amax[np.isfinite(amax) & (amax > 0)])
+    if not amax.size:
         return math.nan
-    ratio = float(amax.double().median()) / element.max
+    ratio = float(amax[(amax.size - 1) // 2]) / element.max  # the lower median, as torch's
     if scale_kind.endswith("pow2"):
         return 2.0 ** math.ceil(math.log2(ratio))
     return float(f"{ratio:.2g}")
@@ -313,9 +354,9 @@ def _scale_kind(factor: Tensor) -> str:
     """The scale's dtype, with " pow2" when every finite nonzero scale is a power of two."""
     kind = str(factor.dtype).removeprefix("torch.")
     if factor.is_floating_point() and factor.element_size() >= 2:
-        values = factor.detach().float()
-        nonzero = values[(values != 0) & torch.isfinite(values)].abs()
-        if nonzero.numel() and bool((torch.frexp(nonzero).mantissa == 0.5).all()):
+        values = factor.detach().float().cpu().numpy()  # one value per block: numpy is quicker
+        nonzero = np.abs(values[(values != 0) & np.isfinite(values)])
+        if nonzero.size and bool((np.frexp(nonzero)[0] == 0.5).all()):
             kind += " pow2"
     return kind
 
@@ -377,7 +418,7 @@ def _rounds_to_nearest(index: Tensor, scaled: Tensor, table: Codes) -> bool:
     scaled = scaled.reshape(-1)
     below = table.low.index_select(0, index).sub_(scaled)  # <= 0 where scaled >= low
     above = table.high.index_select(0, index).sub_(scaled)  # >= 0 where scaled <= high
-    return bool(below.amax() <= 0) and bool(above.amin() >= 0)
+    return bool((below.amax() <= 0) & (above.amin() >= 0))
 
 
 def _unlike_nearest(

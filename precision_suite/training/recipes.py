@@ -17,7 +17,7 @@ puts a recipe on a model's linear layers (``QuantLinear`` in the built-in models
 ``nn.Linear`` of a user's model, without editing it). While an observer is installed
 (``add_operand_observer``: the recorder's, on sampled steps) it hands it each operand its GEMMs
 received, beside the live tensor it came from: the arguments of the GEMM's own matrix products
-(``observation.GemmArguments``), not what the quantizer returned; ``Operand.mismatches`` counts the
+(``model_modes.GemmArguments``), not what the quantizer returned; ``Operand.mismatches`` counts the
 consumed elements that a fresh quantization of the live tensor cannot produce (a stale cache, a
 wrong axis or format, a GEMM fed another tensor).
 
@@ -67,7 +67,7 @@ from precision_suite.numerics.accumulation import (
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
 from precision_suite.numerics.quantization import quantize
-from precision_suite.training.observation import GemmArguments, gemm_received, unobserved
+from precision_suite.training.model_modes import GemmArguments, gemm_received, unobserved
 from precision_suite.training.observed_operands import CONTRACTION_AXIS
 from precision_suite.training.probes import Scheme, get_scheme, operand_shapes, transpose_layout
 

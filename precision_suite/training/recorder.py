@@ -69,17 +69,14 @@ from precision_suite.numerics.accumulation import (
     error_sums_by_mode,
 )
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.training.observation import (
+from precision_suite.training.model_modes import sequence_number, tag_nodes, unobserved
+from precision_suite.training.observation import GemmCall, Observation
+from precision_suite.training.observed_operands import (
     GEMMS,
-    GemmCall,
-    Observation,
     StepObservation,
     describe_observation,
-    sequence_number,
-    tag_nodes,
-    unobserved,
+    low_precision_format,
 )
-from precision_suite.training.observed_operands import low_precision_format
 from precision_suite.training.probes import (
     TENSOR_ROLES,
     Scheme,

@@ -20,7 +20,7 @@ from precision_suite.files import SCHEMA_VERSION
 from precision_suite.numerics.accumulation import ERROR_FIELDS, WHAT_IF, relative_errors
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
-from precision_suite.training.observation import GEMMS
+from precision_suite.training.observed_operands import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
 from precision_suite.training.recipes import GEMM_OPERANDS, Recipe
 
@@ -59,7 +59,7 @@ class ObservedSteps(NamedTuple):
     scales: np.ndarray  # (step, module, operand) str: the scale's kind
     targets: (
         np.ndarray
-    )  # (step, module, operand) float64: the scale's target (observation.scale_target), NaN: none
+    )  # (step, module, operand) float64: the scale's target (observed_operands.scale_target), NaN: none
     shapes: np.ndarray  # (step, module, operand) str: the operand's "RxC" in the suite's orientation
     gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
     accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)

@@ -1,0 +1,168 @@
+"""How a tensor the observation saw derives from a cast into an 8-bit float: the cast (`Cast`), the
+chain of views, reshapes, transposes, expands and copies since (`Dequantization`: replayed on the
+cast's output, source and input at the GEMM, and on the scale's index, so blocks are read from the
+scale's shape, not its values), and the GEMM operand it gives (`GemmOperand`). observation.py
+records them as the model runs; observed_operands.py describes each operand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from precision_suite.training.observed_operands import Scaling, block_factor
+
+aten = torch.ops.aten
+
+
+def _as_reshape(tensor: Tensor, size: Sequence[int]) -> Tensor:
+    return tensor.reshape(size)  # a replayed view may not be viewable (an expanded id tensor)
+
+
+def _same(tensor: Tensor, *_: Any, **__: Any) -> Tensor:
+    return tensor
+
+
+def first_matrix(tensor: Tensor) -> Tensor:
+    return tensor[0]
+
+
+first_matrix.key = "first matrix"  # type: ignore[attr-defined]
+
+
+def same_op(
+    op: Callable[..., Tensor], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Callable[[Tensor], Tensor]:
+    """The op applied to another tensor with the same arguments. Its `key` names the op and its
+    arguments (observed_operands.block_factor caches the blocks of a chain by the keys of its
+    steps), None where an argument is not a plain value."""
+
+    def replay(tensor: Tensor) -> Tensor:
+        return op(tensor, *args, **kwargs)
+
+    replay.key = _plain((op, tuple(args), tuple(sorted(kwargs.items()))))  # type: ignore[attr-defined]
+    return replay
+
+
+def _plain(value: Any) -> Any:
+    """`value` with lists as tuples where it holds only ints, floats, strings, dtypes and ops
+    (hashable, and equal exactly when the replay does the same), else None."""
+    if isinstance(value, (list, tuple)):
+        items = tuple(_plain(item) for item in value)
+        return None if any(item is None and orig is not None for item, orig in zip(items, value)) else items
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.memory_format)):
+        return value
+    return value if callable(value) and not isinstance(value, Tensor) else None
+
+
+# ops that keep a dequantized tensor's link to its cast, and how each is replayed on the cast's
+# tensors at the GEMM (None: the op itself)
+RELINKS: dict[Any, Callable[..., Tensor] | None] = {
+    aten.view.default: _as_reshape,
+    aten._unsafe_view.default: _as_reshape,
+    aten.reshape.default: _as_reshape,
+    aten.t.default: None,
+    aten.transpose.int: None,
+    aten.permute.default: None,
+    aten.expand.default: None,
+    aten.unsqueeze.default: None,
+    aten.squeeze.dim: None,
+    aten.squeeze.default: None,
+    aten.clone.default: _same,
+    aten.alias.default: _same,
+    aten.detach.default: _same,
+}
+
+
+@dataclass
+class Cast:
+    """One cast into a low-precision dtype: its input, output and what came before it."""
+
+    module: str
+    cast_input: Tensor  # float, already scaled
+    output: Tensor  # low precision
+    source: Tensor | None  # the tensor before the scaling op (None: no scaling op seen)
+    scaling: Scaling | None
+    consumed: bool = False  # an observed GEMM took its output as an operand
+    origin: Cast | None = None  # the cast whose output the model's code changed into this one's
+
+    def consume(self) -> None:
+        self.consumed = True
+        if self.origin is not None:
+            self.origin.consumed = True
+
+
+@dataclass
+class GemmOperand:
+    """A GEMM argument as received: data (low precision; a high-precision tensor where `scaling` is
+    None: an unquantized operand), its scaling, and which tensor role a subclass says it has
+    (torchao's GemmInputRole) when it says so. A dequantized operand also names its cast and that
+    cast's source and input in the executed orientation (`Dequantization.operand`), and, where it
+    was dequantized with its scale before the GEMM, the reconstruction the GEMM took (`consumed`)."""
+
+    data: Tensor
+    scaling: Scaling | None
+    role: str | None = None
+    cast: Cast | None = None
+    source: Tensor | None = None
+    cast_input: Tensor | None = None
+    consumed: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Dequantization:
+    """How a tensor the mode saw derives from an observed cast's output: through `chain` (the
+    views, reshapes and transposes since the cast, replayed on the cast's tensors at the GEMM),
+    cast back to a wider float (`wide`), and multiplied or divided by a scale (`scaling`, after the
+    first `at` ops of the chain, on a tensor of shape `shape_at`). Fake quantization: a GEMM that
+    takes such a tensor computes with the dequantized 8-bit values."""
+
+    cast: Cast
+    chain: tuple[Callable[[Tensor], Tensor], ...] = ()
+    wide: bool = False
+    scaling: Scaling | None = None
+    at: int = 0
+    shape_at: tuple[int, ...] = ()
+
+    def then(self, replay: Callable[[Tensor], Tensor]) -> Dequantization:
+        return replace(self, chain=(*self.chain, replay))
+
+    def operand(self, tensor: Tensor) -> GemmOperand | None:
+        """The GEMM operand `tensor` (2-D, as the GEMM received it) is: the cast's output, source
+        and input through the same chain, and the scale as one factor per block of `tensor`
+        (``_block_factor``); the cast's own scale where nothing scaled after the cast (a GEMM whose
+        result is scaled instead). None where the chain does not give `tensor`'s shape."""
+        cast = self.cast
+
+        def replayed(t: Tensor | None) -> Tensor | None:
+            if t is None or t.shape != cast.output.shape:
+                return None
+            t = t.detach()
+            for step in self.chain:
+                t = step(t)
+            return t
+
+        data = replayed(cast.output)
+        if data is None or data.shape != tensor.shape or data.dim() != 2:
+            return None
+        consumed = None  # the GEMM's product is scaled afterwards: it took the unscaled values
+        if self.scaling is None:
+            scaling = cast.scaling or Scaling("mul", torch.ones((), dtype=torch.float32, device=data.device))
+        else:
+            consumed = tensor.detach()
+            factor = block_factor(self.scaling.factor, self.shape_at, self.chain[self.at :])
+            if factor is None:
+                return None
+            scaling = Scaling(self.scaling.op, factor)
+        return GemmOperand(
+            data,
+            scaling,
+            cast=cast,
+            source=replayed(cast.source),
+            cast_input=replayed(cast.cast_input),
+            consumed=consumed,
+        )
