@@ -60,7 +60,7 @@ _EXPORTS = {
     "register_attention": "training.attention",
     "get_attention": "training.attention",
     "instrument": "training.recorder",
-    "register_linear": "training.recorder",
+    "register_linear": "training.linear_modules",
     "Recorder": "training.recorder",
     "module_view": "training.views",
     "RunSpec": "training.runs",

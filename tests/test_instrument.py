@@ -12,11 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from precision_suite.numerics.metrics import quant_stats
+from precision_suite.training import linear_modules
 from precision_suite.training import recorder as recorder_module
+from precision_suite.training.linear_modules import register_linear
 from precision_suite.training.models import build_model, model_config
 from precision_suite.training.probes import FP8_BLOCK
 from precision_suite.training.recipes import set_recipe
-from precision_suite.training.recorder import instrument, register_linear
+from precision_suite.training.recorder import instrument
 from precision_suite.training.views import layer_index, module_view
 
 
@@ -230,7 +232,7 @@ class TransposedLinear(nn.Module):
 
 
 def test_a_registered_look_alike_has_its_weight_read_as_out_by_in(monkeypatch):
-    monkeypatch.setattr(recorder_module, "_LINEAR_LIKE", dict(recorder_module._LINEAR_LIKE))
+    monkeypatch.setattr(linear_modules, "_LINEAR_LIKE", dict(linear_modules._LINEAR_LIKE))
     model = nn.Sequential(TransposedLinear(128, 256))
     with pytest.raises(ValueError, match="no linear-like module.*register_linear"):
         instrument(model, attention=None)

@@ -45,7 +45,6 @@ value goes to the innermost module running at the time (e.g. ``model.layers.3.se
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import math
 import re
@@ -55,27 +54,23 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 import xarray as xr
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from precision_suite.numerics.accumulation import (
     ERROR_FIELDS,
-    HOPPER_ELEMENTS,
     WHAT_IF,
-    Accumulation,
-    error_sums_by_mode,
 )
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
-from precision_suite.training.model_modes import sequence_number, tag_nodes, unobserved
-from precision_suite.training.observation import GemmCall, Observation
+from precision_suite.training.attention_capture import AttentionCapture, attention_norm, outside_capture
+from precision_suite.training.gemm_errors import GemmErrors, add_errors, observed_gemm_errors
+from precision_suite.training.linear_modules import WeightReader, module_filter, select_gemms
+from precision_suite.training.model_modes import sequence_number, tag_nodes
+from precision_suite.training.observation import Observation
 from precision_suite.training.observed_operands import (
     GEMMS,
     StepObservation,
     describe_observation,
-    low_precision_format,
 )
 from precision_suite.training.probes import (
     TENSOR_ROLES,
@@ -103,36 +98,7 @@ from precision_suite.training.views import (
     run_dataset,
 )
 
-WeightReader = Callable[[nn.Module], Tensor]
-
-# class -> how to read its weight as (out, in). Hugging Face's Conv1D (GPT-2 and relatives) computes
-# x @ W + b with W stored as (in, out); it is matched by name so transformers need not be imported.
-_LINEAR_LIKE: dict[type, WeightReader] = {nn.Linear: lambda module: module.weight}
-_LINEAR_LIKE_BY_NAME: dict[str, WeightReader] = {
-    "transformers.pytorch_utils.Conv1D": lambda module: module.weight.t(),
-}
 ATTENTION_MODES = ("auto", None)
-
-
-def register_linear(cls: type, weight: WeightReader = lambda module: module.weight) -> None:
-    """Treat ``cls`` (and its subclasses) as a GEMM layer y = x W^T (+ b) whose input is the
-    forward's first argument; ``weight(module)`` returns W as (out, in)."""
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise TypeError(f"register_linear: expected an nn.Module subclass, got {cls!r}")
-    if not callable(weight):
-        raise TypeError(f"register_linear({cls.__name__}): weight must be callable, got {weight!r}")
-    _LINEAR_LIKE[cls] = weight
-
-
-def weight_reader(module: nn.Module) -> WeightReader | None:
-    """How to read ``module``'s weight as (out, in), or None when it is not linear-like."""
-    for cls in type(module).__mro__:
-        if cls in _LINEAR_LIKE:
-            return _LINEAR_LIKE[cls]
-        reader = _LINEAR_LIKE_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
-        if reader is not None:
-            return reader
-    return None
 
 
 def instrument(
@@ -179,8 +145,8 @@ class Recorder:
             schemes = (schemes,)
         self.schemes = check_measurements([s if isinstance(s, Scheme) else get_scheme(s) for s in schemes])
         self.model, self.attention, self.sample_every, self.observe = model, attention, sample_every, observe
-        self.gemms = _select_gemms(model, modules)
-        self._observed_module = _module_filter(modules)
+        self.gemms = select_gemms(model, modules)
+        self._observed_module = module_filter(modules)
         self.names = {id(module): name for name, module in model.named_modules()}
         self._gemm_names = {id(module): name for name, (module, _) in self.gemms.items()}
         self.taps = [
@@ -198,8 +164,8 @@ class Recorder:
         # per step, (module, operand) -> (mismatched elements, a 0-d tensor; elements compared)
         self._operands: list[dict[tuple[str, str], tuple[Tensor, int]]] = []
         self._declared: dict[str, dict[str, None]] = defaultdict(dict)  # operand -> its Operand.text()s
-        # per step, (module, gemm) -> its accumulation error (`_GemmErrors`)
-        self._accumulation: list[dict[tuple[str, str], _GemmErrors]] = []
+        # per step, (module, gemm) -> its accumulation error (`GemmErrors`)
+        self._accumulation: list[dict[tuple[str, str], GemmErrors]] = []
         self._stack: list[tuple[str, int]] = []  # modules running now, each with its first autograd node
         self._observed: list[StepObservation] = []
         self._live: dict[str, dict[str, Tensor]] = {}  # module -> x, weight, dy of this step (observation)
@@ -224,21 +190,23 @@ class Recorder:
         attention: dict[str, list[float]] = defaultdict(list)
         intercepted: dict[str, list[float]] = defaultdict(list)
         operands: dict[tuple[str, str], tuple[Tensor, int]] = {}
-        accumulation: dict[tuple[str, str], _GemmErrors] = {}
+        accumulation: dict[tuple[str, str], GemmErrors] = {}
         self._attach(sums, attention, intercepted, operands, accumulation)
         observation = (
             Observation(
                 self._module_now,
                 self._live,
                 self._observed_module,
-                functools.partial(self._observed_gemm, accumulation),
+                functools.partial(observed_gemm_errors, accumulation),
             )
             if self.observe
             else None
         )
         try:
             with (
-                _AttentionCapture(self, intercepted) if self.attention == "auto" else nullcontext(),
+                AttentionCapture(lambda phi: self._add_attention(intercepted, self._module_now(), phi))
+                if self.attention == "auto"
+                else nullcontext(),
                 observation if observation is not None else nullcontext(),
             ):
                 yield True
@@ -272,7 +240,7 @@ class Recorder:
         )
 
     def _add_attention(self, into: dict[str, list[float]], name: str, attention: Tensor) -> None:
-        into[name].append(_attention_norm(attention))
+        into[name].append(attention_norm(attention))
         self.tokens = max(self.tokens, attention.shape[-1])
 
     def _attach(
@@ -338,7 +306,7 @@ class Recorder:
         name = self._gemm_names.get(id(layer))
         if name is None:  # not a selected module
             return
-        with _outside_capture():
+        with outside_capture():
             count = operand.mismatches(live, consumed)
         self._declared[where][operand.text()] = None
         mismatched, numel = into.get((name, where), (0, 0))  # a module called twice in a step: counts add
@@ -363,38 +331,15 @@ class Recorder:
         if name is None:  # not a selected module
             return
         declared = getattr(recipe, gemm).accumulation
-        with _outside_capture():
+        with outside_capture():
             errors = gemm_error_sums(
                 recipe, gemm, a, b, [declared, *WHAT_IF], computed={declared: out}, sampled=True
             )
-        _add_errors(into, name, gemm, declared, reduction_length(gemm, a), errors)
-
-    def _observed_gemm(self, into: dict, call: GemmCall) -> None:
-        """The accumulation error of a scaled GEMM of the model's own code, as its use_fast_accum
-        says the H100 runs it: fast in one chain, else promoted every 128 (cuBLAS's split accumulator)."""
-        elements = (low_precision_format(call.a.dtype), low_precision_format(call.b.dtype))
-        scales = _gemm_scales(call)
-        if scales is None or not set(elements) <= set(HOPPER_ELEMENTS) or elements == ("e5m2", "e5m2"):
-            return  # no tensor-core model for it (fnuz elements, MX scales, E5M2 x E5M2)
-        as_run = (
-            None
-            if call.fast_accumulation is None
-            else Accumulation("hopper-fast" if call.fast_accumulation else "hopper-promoted")
-        )
-        with _outside_capture():
-            errors = error_sums_by_mode(
-                call.a.detach(),
-                call.b.detach(),
-                *scales,
-                [as_run, *WHAT_IF] if as_run is not None else WHAT_IF,
-                sampled=True,
-            )
-        errors = errors if as_run is not None else [None, *errors]
-        _add_errors(into, call.module, call.gemm, as_run, call.a.shape[1], errors)
+        add_errors(into, name, gemm, declared, reduction_length(gemm, a), errors)
 
     def _gemm_hook(self, name: str, read_weight: WeightReader, sums: dict) -> Callable:
         def add(role: str, tensor: Tensor) -> None:
-            with _outside_capture():
+            with outside_capture():
                 tensor = tensor.detach()
                 for fmt, roles in self._measured:
                     label, layout = roles[role]
@@ -570,183 +515,7 @@ class Recorder:
         self.remove()
 
 
-class _GemmErrors:
-    """The accumulation error of one module's GEMM on one step, its calls added: the modes it ran
-    with, its K (the largest) and per column of views.ACCUMULATIONS the ERROR_FIELDS sums."""
-
-    def __init__(self) -> None:
-        self.modes: dict[str, None] = {}
-        self.k = 0
-        self.sums = np.zeros((len(ACCUMULATIONS), len(ERROR_FIELDS)))
-
-
-def _add_errors(
-    into: dict[tuple[str, str], _GemmErrors],
-    module: str,
-    gemm: str,
-    as_run: Accumulation | None,
-    k: int,
-    errors: Sequence[Tensor | None],
-) -> None:
-    """Add one GEMM call's sums (as it ran, then each WHAT_IF mode; None: not measured)."""
-    cell = into.setdefault((module, gemm), _GemmErrors())
-    if as_run is not None:
-        cell.modes[as_run.text()] = None
-    cell.k = max(cell.k, int(k))
-    for column, sums in enumerate(errors):
-        if sums is not None:
-            cell.sums[column] += sums.double().cpu().numpy()
-
-
-def _gemm_scales(call: GemmCall) -> tuple[Tensor, Tensor] | None:
-    """The call's scales as `scaled_gemm` takes them, or None where they are not one per tensor,
-    row of a or column of b, or not positive and finite (nothing the model covers)."""
-    (m, k), n = call.a.shape, call.b.shape[1]
-    scales = []
-    for scale, shape in ((call.scale_a, (m, k)), (call.scale_b, (k, n))):
-        scale = scale.detach().float()
-        scale = scale.reshape(1, 1) if scale.numel() == 1 else scale
-        if (
-            scale.dim() != 2
-            or any(d not in (1, full) for d, full in zip(scale.shape, shape))
-            or not bool(((scale > 0) & scale.isfinite()).all())
-        ):
-            return None
-        scales.append(scale)
-    return scales[0], scales[1]
-
-
 def _joined(listed: str, text: str) -> str:
     """`listed` ("a|b") with `text` added once: a module called twice in a step may quantize twice."""
     parts = [part for part in listed.split("|") if part]
     return "|".join(parts if text in parts else [*parts, text])
-
-
-def _module_filter(patterns: Any) -> Callable[[str], bool]:
-    """Whether a module name is selected by `modules=` (globs or compiled regexes; None: all)."""
-    if patterns is None:
-        return lambda name: True
-    listed = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns)
-    return lambda name: any(
-        p.fullmatch(name) if isinstance(p, re.Pattern) else fnmatch.fnmatchcase(name, p) for p in listed
-    )
-
-
-def _select_gemms(model: nn.Module, patterns: Any) -> dict[str, tuple[nn.Module, WeightReader]]:
-    linear_like = {
-        name: (module, reader)
-        for name, module in model.named_modules()
-        if (reader := weight_reader(module)) is not None
-    }
-    if not linear_like:
-        kinds = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(
-            f"instrument: {type(model).__name__} has no linear-like module (searched "
-            f"{len(kinds)} module types: {', '.join(kinds[:12])}); register yours with "
-            "precision_suite.register_linear(cls, weight=...)"
-        )
-    if patterns is None:
-        return linear_like
-    if isinstance(patterns, (str, re.Pattern)):
-        patterns = [patterns]
-    selected: dict[str, tuple[nn.Module, WeightReader]] = {}
-    for pattern in patterns:
-        if isinstance(pattern, re.Pattern):
-            hits = [name for name in linear_like if pattern.fullmatch(name)]
-        elif isinstance(pattern, str):
-            hits = fnmatch.filter(linear_like, pattern)
-        else:
-            raise TypeError(f"instrument: modules= takes globs or compiled regexes, got {pattern!r}")
-        if not hits:
-            shown = ", ".join(list(linear_like)[:8]) + (", ..." if len(linear_like) > 8 else "")
-            raise ValueError(
-                f"instrument: modules pattern {getattr(pattern, 'pattern', pattern)!r} matches "
-                f"none of the {len(linear_like)} linear-like modules ({shown})"
-            )
-        selected.update({name: linear_like[name] for name in hits})
-    return {name: selected[name] for name in linear_like if name in selected}  # model order
-
-
-def _attention_norm(attention: Tensor) -> float:
-    """Frobenius norm of each head's N x N matrix, mean over heads and batch (SCIENCE.md figure A)."""
-    with _outside_capture(), torch.no_grad():
-        return float(torch.linalg.matrix_norm(attention.detach().float(), ord="fro").mean())
-
-
-def _sdpa_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """softmax(Q K^T * scale + mask): the matrix F.scaled_dot_product_attention applies (same
-    signature); grouped-query keys are repeated to the query heads as the kernel does."""
-    q, k = query.detach().float(), key.detach().float()
-    if k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    n_query, n_key = scores.shape[-2:]
-    if is_causal:
-        visible = torch.ones(n_query, n_key, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
-    if attn_mask is not None:
-        scores = (
-            scores.masked_fill(~attn_mask, float("-inf"))
-            if attn_mask.dtype == torch.bool
-            else scores + attn_mask.float()
-        )
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row attends to nothing
-
-
-_SOFTMAXES = {torch.softmax, F.softmax, Tensor.softmax, torch.special.softmax}
-
-
-class _AttentionCapture(TorchFunctionMode):
-    """On a sampled step: reads attention matrices from SDPA calls and square softmaxes."""
-
-    def __init__(self, recorder: Recorder, into: dict[str, list[float]]) -> None:
-        super().__init__()
-        self.recorder, self.into = recorder, into
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            self._record(_sdpa_attention(*args, **kwargs))
-        elif (
-            func in _SOFTMAXES
-            and isinstance(out, Tensor)
-            and out.ndim >= 3
-            and out.shape[-1] == out.shape[-2]
-            and _softmax_dim(args, kwargs) in (-1, out.ndim - 1)
-        ):
-            self._record(out)
-        return out
-
-    def _record(self, attention: Tensor) -> None:
-        self.recorder._add_attention(self.into, self.recorder._module_now(), attention)
-
-
-def _softmax_dim(args: tuple, kwargs: Mapping[str, Any]) -> Any:
-    return kwargs.get("dim", args[1] if len(args) > 1 else None)
-
-
-@contextmanager
-def _outside_capture() -> Iterator[None]:
-    """Measure with the capture modes popped: the measuring code's own ops are neither attention
-    nor the model's quantization, and torch.compile'd quantizers then see the same (empty) mode
-    stacks as on any other call, so they are not compiled a second time."""
-    with unobserved():
-        if not any(isinstance(mode, _AttentionCapture) for mode in _mode_stack()):
-            yield
-            return
-        with torch.overrides._pop_mode_temporarily():  # private, but the one way to step out of a mode
-            yield
-
-
-def _mode_stack() -> list[Any]:
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
