@@ -18,7 +18,8 @@ import user_torchao
 from cast_capture import CastRecorder
 from precision_suite.numerics.metrics import SUM_FIELDS
 from precision_suite.training.observed_operands import CONTRACTION_AXIS, low_precision_format
-from precision_suite.training.recipes import GEMM_OPERANDS, get_recipe
+from precision_suite.training.recipe_registry import get_recipe
+from precision_suite.training.recipes import GEMM_OPERANDS
 from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, Trainer, case_id, run, seeded
 from precision_suite.verdicts import judge, observed

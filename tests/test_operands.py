@@ -22,17 +22,15 @@ from precision_suite.reports import drift_chart
 from precision_suite.training import recipes
 from precision_suite.training.matrix import KnownViolation
 from precision_suite.training.probes import transpose_layout
+from precision_suite.training.recipe_registry import NAMED_RECIPES, get_recipe, recipes_environment
 from precision_suite.training.recipes import (
     GEMM_OPERANDS,
     HIGH_PRECISION,
-    NAMED_RECIPES,
     Gemm,
     Operand,
     QuantLinear,
     Recipe,
     add_operand_observer,
-    get_recipe,
-    recipes_environment,
     set_recipe,
 )
 from precision_suite.training.recorder import instrument

@@ -17,19 +17,14 @@ from precision_suite.numerics.formats import FORMATS, get_format
 from precision_suite.numerics.quantization import quantize, stochastic_round
 from precision_suite.training import recipes
 from precision_suite.training.probes import get_scheme
-from precision_suite.training.recipes import (
-    HIGH_PRECISION,
+from precision_suite.training.recipe_registry import (
     NAMED_RECIPES,
     RECIPES_ENV,
-    Gemm,
-    Operand,
-    QuantLinear,
-    Recipe,
     get_recipe,
     recipes_environment,
     recipes_from_toml,
-    set_recipe,
 )
+from precision_suite.training.recipes import HIGH_PRECISION, Gemm, Operand, QuantLinear, Recipe, set_recipe
 from precision_suite.training.runs import RunSpec, Trainer, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}

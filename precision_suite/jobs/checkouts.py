@@ -24,7 +24,7 @@ from precision_suite.jobs import git, results
 from precision_suite.jobs.selection import config_recipes
 from precision_suite.jobs.train_specs import PROBLEMS, load_twins
 from precision_suite.jobs.usage import UsageError
-from precision_suite.training.recipes import RECIPES_ENV
+from precision_suite.training.recipe_registry import RECIPES_ENV
 from precision_suite.training.runs import RunSpec, case_id
 from precision_suite.verdicts.stored_replays import twin_tolerance
 from precision_suite.version import __version__

@@ -14,7 +14,7 @@ from typing import Any
 
 from precision_suite.files import read_toml
 from precision_suite.jobs.usage import DEFAULT_BASELINE_DIR, UsageError
-from precision_suite.training import matrix, recipes
+from precision_suite.training import matrix, recipe_registry
 from precision_suite.training.attention import get_attention
 from precision_suite.training.runs import RunSpec, case_id
 
@@ -135,7 +135,7 @@ def new_attention_specs(names: Sequence[str], specs: Sequence[RunSpec]) -> list[
 def config_specs(path: Path) -> list[RunSpec]:
     """RunSpecs from a TOML file of [[case]] tables whose keys are RunSpec fields, and the user
     recipes its [recipes.NAME] tables declare (made known to this process and the workers it
-    spawns through recipes.RECIPES_ENV)."""
+    spawns through recipe_registry.RECIPES_ENV)."""
     table = _read_toml(path)
     cases = table.get("case")
     if not isinstance(cases, list) or not cases:
@@ -172,13 +172,13 @@ def config_specs(path: Path) -> list[RunSpec]:
 
 def config_recipes(path: Path, table: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The environment that makes the [recipes.NAME] tables of config `path` known to a process
-    and its workers (recipes.RECIPES_ENV; {} when it declares none)."""
+    and its workers (recipe_registry.RECIPES_ENV; {} when it declares none)."""
     table = _read_toml(path) if table is None else table
     try:
-        declared = recipes.recipes_from_toml(table.get("recipes", {}), str(path))
+        declared = recipe_registry.recipes_from_toml(table.get("recipes", {}), str(path))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return recipes.recipes_environment(declared)
+    return recipe_registry.recipes_environment(declared)
 
 
 def _read_toml(path: Path) -> dict:

@@ -24,11 +24,8 @@ from precision_suite.training.probes import (
     check_scheme_fits,
     get_scheme,
 )
-from precision_suite.training.recipes import (
-    RECIPE_EXAMPLES,
-    Recipe,
-    get_recipe,
-)
+from precision_suite.training.recipe_registry import RECIPE_EXAMPLES, get_recipe
+from precision_suite.training.recipes import Recipe
 from precision_suite.training.recorder import instrument
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -64,9 +61,7 @@ class RunSpec:
 
     model: str = "gpt"  # "vit" | "gpt" | "package.module:factory"
     attention: str = "softmax"  # attention.get_attention name, e.g. "x^3/sqrt(N)", or package.module:phi
-    recipe: str = (
-        "fp32"  # fp32, or a recipes.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
-    )
+    recipe: str = "fp32"  # fp32, or a recipe_registry.get_recipe name: fp8-block, fp8-hybrid, nvfp4-training, <fmt>:<layout>
     extra_formats: tuple[str, ...] = ()  # schemes measured next to fp8-block, e.g. ("mxfp8", "nvfp4")
     steps: int = 50
     batch_size: int | None = None  # None: 32 images (vit) / 8 sequences (gpt)

@@ -29,7 +29,8 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.numerics.layouts import WHOLE_AXIS, layout_text
-from precision_suite.training.recipes import GEMM_OPERANDS, HIGH_PRECISION, Operand, get_recipe
+from precision_suite.training.recipe_registry import get_recipe
+from precision_suite.training.recipes import GEMM_OPERANDS, HIGH_PRECISION, Operand
 from precision_suite.verdicts.findings import Finding, to_python
 
 NOT_OBSERVED = "none"  # how an empty observation (or no recipe of the suite's) reads in a message
