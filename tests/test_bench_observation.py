@@ -6,7 +6,7 @@ dequantized cast followed through its views into the GEMMs, its blocks read, mea
 steps never observe.
 
 The consumed-operand check of the suite's own recipes compares what each GEMM's matrix products
-received (recipes._layer_gemm, a dispatch mode around each GEMM): timed against reporting what the
+received (quant_linear._layer_gemm, a dispatch mode around each GEMM): timed against reporting what the
 quantizer returned, on the same sampled step of the default GPT fp8-block.
 
 Measure with ``make bench``; tests/conftest.py prints each ratio of medians against its goal. No
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from precision_suite.training import recipes
+from precision_suite.training import quant_linear
 from precision_suite.training.runs import RunSpec, Trainer
 
 MODELS = {
@@ -66,9 +66,9 @@ def test_sampled_step_with_and_without_observation(benchmark, model, observe):
 
 def quantizer_outputs_reported(layer, recipe, gemm, a, b, bias=None):
     """The reference: the GEMM run as it is, the check handed what the quantizer returned."""
-    out = recipes._product(layer, recipe, gemm, a, b, bias)
-    if recipe is not None and recipes._observers:
-        recipes._observe(layer, recipe, (f"{gemm}.a", *a), (f"{gemm}.b", *b))
+    out = quant_linear._product(layer, recipe, gemm, a, b, bias)
+    if recipe is not None and quant_linear._observers:
+        quant_linear._observe(layer, recipe, (f"{gemm}.a", *a), (f"{gemm}.b", *b))
     return out
 
 
@@ -79,7 +79,7 @@ def test_sampled_step_checking_what_the_gemms_received(benchmark, received, monk
     if received:
         benchmark.extra_info.update(subject="sampled step, the GEMMs' arguments checked", goal=1.05)
     else:
-        monkeypatch.setattr(recipes, "_layer_gemm", quantizer_outputs_reported)
+        monkeypatch.setattr(quant_linear, "_layer_gemm", quantizer_outputs_reported)
         benchmark.extra_info.update(subject="sampled step, the quantizer's outputs checked", reference=True)
     ds = timed_sampled_steps(benchmark, MODELS["GPT fp8-block"]).recorder.dataset()
     assert int(ds["operand_numel"].sum()) > 0 and int(ds["operand_mismatch"].sum()) == 0  # checked, unplanted

@@ -17,7 +17,7 @@ from precision_suite.training import recorder as recorder_module
 from precision_suite.training.linear_modules import register_linear
 from precision_suite.training.models import build_model, model_config
 from precision_suite.training.probes import FP8_BLOCK
-from precision_suite.training.recipes import set_recipe
+from precision_suite.training.quant_linear import set_recipe
 from precision_suite.training.recorder import instrument
 from precision_suite.training.views import layer_index, module_view
 

@@ -9,7 +9,7 @@ import torch
 
 from precision_suite.training import data
 from precision_suite.training.models import GPT, ViT, block_linears, build_model, model_config
-from precision_suite.training.recipes import QuantLinear
+from precision_suite.training.quant_linear import QuantLinear
 
 
 def small(kind: str, attention: str = "softmax", **overrides) -> ViT | GPT:

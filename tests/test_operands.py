@@ -19,20 +19,12 @@ from torch import nn
 
 from precision_suite.numerics.quantization import quantize
 from precision_suite.reports import drift_chart
-from precision_suite.training import recipes
+from precision_suite.training import quant_linear
 from precision_suite.training.matrix import KnownViolation
 from precision_suite.training.probes import transpose_layout
+from precision_suite.training.quant_linear import QuantLinear, add_operand_observer, set_recipe
 from precision_suite.training.recipe_registry import NAMED_RECIPES, get_recipe, recipes_environment
-from precision_suite.training.recipes import (
-    GEMM_OPERANDS,
-    HIGH_PRECISION,
-    Gemm,
-    Operand,
-    QuantLinear,
-    Recipe,
-    add_operand_observer,
-    set_recipe,
-)
+from precision_suite.training.recipes import GEMM_OPERANDS, HIGH_PRECISION, Gemm, Operand, Recipe
 from precision_suite.training.recorder import instrument
 from precision_suite.training.runs import RunSpec, run
 from precision_suite.training.views import module_view
@@ -193,10 +185,10 @@ def test_a_users_linears_are_checked_under_their_own_names():
     set_recipe(model, get_recipe("mxfp8"))
     recorder = instrument(model, attention=None)
     with recorder.step(0):
-        assert recipes._observers  # observed while sampling only: other steps pay one list test
+        assert quant_linear._observers  # observed while sampling only: other steps pay one list test
         model(seeded(64, 128)).square().sum().backward()
     with recorder.step(1, sample=False):
-        assert not recipes._observers
+        assert not quant_linear._observers
     ds = recorder.dataset(case="user")
     assert list(ds["module"].values) == ["0", "2"]
     assert (ds["operand_numel"].values > 0).all() and int(ds["operand_mismatch"].sum()) == 0
@@ -329,9 +321,9 @@ def one_layer_mismatches(recipe: Recipe) -> dict[str, tuple[int, int]]:
 
 def planted_wgrad(monkeypatch, compute) -> None:
     """The wgrad GEMM computes `compute(layer, recipe, a, b, product)` (`product`: the unplanted one)."""
-    product = recipes._product
+    product = quant_linear._product
     monkeypatch.setattr(
-        recipes,
+        quant_linear,
         "_product",
         lambda layer, recipe, gemm, a, b, bias=None: (
             compute(layer, recipe, a, b, product)

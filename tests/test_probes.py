@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from precision_suite.numerics.quantization import quantize
 from precision_suite.training import probes
 from precision_suite.training.probes import FP8_BLOCK, check_measurements, check_scheme_fits, get_scheme
-from precision_suite.training.recipes import QuantLinear, QuantLinearFn, Recipe
+from precision_suite.training.quant_linear import QuantLinear, QuantLinearFn
+from precision_suite.training.recipes import Recipe
 
 
 def seeded(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

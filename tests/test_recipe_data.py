@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precision_suite import cli
+from precision_suite.training.quant_linear import set_recipe
 from precision_suite.training.recipe_registry import recipes_from_toml
-from precision_suite.training.recipes import set_recipe
 from precision_suite.training.recorder import instrument
 from precision_suite.verdicts.ensemble.build import make_ensemble
 from precision_suite.verdicts.judge import judge_case

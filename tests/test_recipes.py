@@ -17,6 +17,7 @@ from precision_suite.numerics.formats import FORMATS, get_format
 from precision_suite.numerics.quantization import quantize, stochastic_round
 from precision_suite.training import recipes
 from precision_suite.training.probes import get_scheme
+from precision_suite.training.quant_linear import QuantLinear, set_recipe
 from precision_suite.training.recipe_registry import (
     NAMED_RECIPES,
     RECIPES_ENV,
@@ -24,7 +25,7 @@ from precision_suite.training.recipe_registry import (
     recipes_environment,
     recipes_from_toml,
 )
-from precision_suite.training.recipes import HIGH_PRECISION, Gemm, Operand, QuantLinear, Recipe, set_recipe
+from precision_suite.training.recipes import HIGH_PRECISION, Gemm, Operand, Recipe
 from precision_suite.training.runs import RunSpec, Trainer, run
 
 ORACLE = {"e5m2": ml_dtypes.float8_e5m2, "e4m3": ml_dtypes.float8_e4m3fn, "nvfp4": ml_dtypes.float4_e2m1fn}
@@ -446,7 +447,7 @@ def test_block_scaled_hopper_gemms_apply_each_chunks_scales_on_promotion():
 
 def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
     from precision_suite.numerics.accumulation import Accumulation, relative_error
-    from precision_suite.training.recipes import gemm_error_sums
+    from precision_suite.training.quant_linear import gemm_error_sums
 
     recipe = get_recipe("fp8-hybrid-hopper")
     x, w = fp8_tensor((64, 2048), 4).abs(), fp8_tensor((16, 2048), 5).abs()  # same sign: a long sum
@@ -467,7 +468,7 @@ def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
 
 def test_gemm_error_sums_leave_out_what_the_hardware_cannot_run():
     from precision_suite.numerics.accumulation import Accumulation
-    from precision_suite.training.recipes import gemm_error_sums, reduction_length
+    from precision_suite.training.quant_linear import gemm_error_sums, reduction_length
 
     recipe = get_recipe("fp8-block-hopper")  # 1x128 and 128x128 scales change along K
     x, w = fp8_tensor((64, 256), 6), fp8_tensor((128, 256), 7)

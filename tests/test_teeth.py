@@ -22,7 +22,7 @@ from precision_suite import cli
 from precision_suite.jobs.selection import config_specs
 from precision_suite.jobs.twins import rounding_twins
 from precision_suite.numerics import quantization
-from precision_suite.training import models, recipes, runs
+from precision_suite.training import models, quant_linear, recipes, runs
 from precision_suite.training.replays import replay_start
 from precision_suite.verdicts.ensemble.build import ENSEMBLE_SEEDS
 from shared_build import built_once
@@ -131,7 +131,7 @@ def stale_quantized_weight(monkeypatch):
 def wgrad_of_the_unquantized_activation(monkeypatch):
     """The weight-gradient GEMM multiplies x as it came (dy_wgrad^T x_rows), while the quantizer
     quantized x and returned it: a GEMM fed another tensor than the operand it reports."""
-    original = recipes._product
+    original = quant_linear._product
 
     def product(layer, recipe, gemm, a, b, bias=None):
         if gemm != "wgrad":
@@ -139,7 +139,7 @@ def wgrad_of_the_unquantized_activation(monkeypatch):
         (_, dy_wgrad), (x_rows, _) = a, b
         return dy_wgrad.t() @ x_rows
 
-    monkeypatch.setattr(recipes, "_product", product)
+    monkeypatch.setattr(quant_linear, "_product", product)
 
 
 LATE_PLANTS = {

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from precision_suite.training.attention import get_attention
 from precision_suite.training.data import BYTE_VOCAB, DIGITS_CLASSES, DIGITS_SIDE
-from precision_suite.training.recipes import QuantLinear
+from precision_suite.training.quant_linear import QuantLinear
 
 ModelKind = Literal["vit", "gpt"]
 

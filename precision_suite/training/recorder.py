@@ -18,7 +18,7 @@ the wgrad GEMM's operand). Each (module, tensor role, layout) keeps additive sum
 (``views.py``), so both levels come from one measurement.
 
 Operands consumed: on a sampled step the recorder also observes every operand a recipe's
-``QuantLinearFn`` GEMMs receive in a selected module (``recipes.add_operand_observer``: the
+``QuantLinearFn`` GEMMs receive in a selected module (``quant_linear.add_operand_observer``: the
 arguments of their own matrix products, not the quantizer's outputs) and counts the
 elements that differ from a fresh quantization of the live tensor under the operand's declared
 format and layout (``Operand.mismatches``): ``operand_mismatch(step, module, operand)``, which
@@ -26,7 +26,7 @@ must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quan
 (``operand_numel`` 0).
 
 Accumulation error: on a sampled step, each GEMM that accumulates as an H100's FP8 tensor cores
-do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``recipes.add_gemm_observer``: its
+do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``quant_linear.add_gemm_observer``: its
 operands and its result) or a scaled GEMM of the model's own code (its ``use_fast_accum``
 selecting the mode), is measured
 against the float64 product of the same quantized operands, as it ran and under each mode of
@@ -79,17 +79,15 @@ from precision_suite.training.probes import (
     get_scheme,
     operand_shapes,
 )
-from precision_suite.training.recipes import (
-    GEMM_OPERANDS,
+from precision_suite.training.quant_linear import (
     Consumed,
-    Operand,
-    Recipe,
     add_gemm_observer,
     add_operand_observer,
     gemm_error_sums,
     layer_recipe,
     reduction_length,
 )
+from precision_suite.training.recipes import GEMM_OPERANDS, Operand, Recipe
 from precision_suite.training.views import (
     ACCUMULATIONS,
     AccumulationSteps,

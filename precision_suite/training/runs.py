@@ -24,11 +24,7 @@ from precision_suite.numerics.quantization import compile_pays, compiling_if
 from precision_suite.training.data import digits_batch, text_batch
 from precision_suite.training.imports import load_object
 from precision_suite.training.models import build_model
-from precision_suite.training.recipes import (
-    own_quantization,
-    recipe_layers,
-    set_recipe,
-)
+from precision_suite.training.quant_linear import own_quantization, recipe_layers, set_recipe
 from precision_suite.training.recorder import Recorder, instrument
 from precision_suite.training.specs import (  # RunSpec, case_id: also imported from here
     RunSpec,
