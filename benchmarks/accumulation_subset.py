@@ -30,11 +30,11 @@ def main() -> int:
     parser.add_argument("--size", choices=list(SIZES), default="20M")
     args = parser.parse_args()
     from precision_suite.numerics import accumulation
-    from precision_suite.training import recorder
+    from precision_suite.training import gemm_errors, recorder
     from precision_suite.training.runs import RunSpec, Trainer, seeded
 
     calls, where = [], {}
-    sampled_sums, observed_gemm = accumulation.error_sums_by_mode, recorder.Recorder._observed_gemm
+    sampled_sums, observed_gemm = accumulation.error_sums_by_mode, gemm_errors.observed_gemm_errors
 
     def both(a, b, scale_a, scale_b, modes, **kwargs):
         sub = sampled_sums(a, b, scale_a, scale_b, modes, **kwargs)
@@ -48,11 +48,11 @@ def main() -> int:
         )
         return sub
 
-    def observed(self, into, call):
+    def observed(into, call):
         where["now"] = (call.module, call.gemm)
-        return observed_gemm(self, into, call)
+        return observed_gemm(into, call)
 
-    recorder.error_sums_by_mode, recorder.Recorder._observed_gemm = both, observed
+    gemm_errors.error_sums_by_mode, recorder.observed_gemm_errors = both, observed
     spec = RunSpec(
         model="user_models:llama_fp8",
         batches="user_models:llama_batch",

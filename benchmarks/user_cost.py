@@ -59,11 +59,11 @@ OUTER_PARTS = {
 INNER_PARTS = {
     "probes": [
         ("precision_suite.training.recorder", "quant_stats"),
-        ("precision_suite.training.recorder", "_attention_norm"),
-        ("precision_suite.training.recorder", "_sdpa_attention"),
+        ("precision_suite.training.recorder", "attention_norm"),
+        ("precision_suite.training.attention_capture", "sdpa_attention"),
     ],
     "accumulation error": [
-        ("precision_suite.training.recorder", "error_sums_by_mode"),
+        ("precision_suite.training.gemm_errors", "error_sums_by_mode"),
         ("precision_suite.training.recorder", "gemm_error_sums"),
     ],
 }
