@@ -9,6 +9,7 @@ observation ("e4m3:row" is one scale per row of x).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from precision_suite.numerics.formats import ElementType, get_format
+from precision_suite.numerics.layouts import to_blocks
 from precision_suite.numerics.metrics import QuantStats, reconstruction_stats
 from precision_suite.numerics.quantization import round_by_bits
 
@@ -165,22 +167,25 @@ def describe_operand(
             None if t is None else t.t() for t in (data, source, cast_input, consumed, compact)
         )
     blocks = tuple(compact.shape)
+    # each block its own (r, c) slice: the factor (R/r, 1, C/c, 1) scales it without being repeated
+    layout = (data.shape[0] // blocks[0], data.shape[1] // blocks[1])
     per_block = Scaling(scaling.op, compact.reshape(blocks[0], 1, blocks[1], 1))
     table = codes(data.dtype, data.device) if low_precision_format(data.dtype) else None
     index = table.index(data) if table is not None else None
 
-    def values() -> Tensor:  # the 8-bit values as float32, by block
+    @functools.cache
+    def values() -> Tensor:  # the 8-bit values as float32, by block; only where something needs them
         q = data.float() if table is None else table.value.index_select(0, index).reshape(data.shape)
-        return _per_block(q, blocks)
+        return to_blocks(q, layout)
 
     dequantized = per_block.dequantized(values()) if consumed is None else consumed.contiguous()
     stats, mismatched, checked = None, 0, 0
-    scaled = per_block.scaled(_per_block(source.contiguous(), blocks)) if source is not None else None
+    scaled = per_block.scaled(to_blocks(source.contiguous(), layout)) if source is not None else None
     # where amax maps: the scaled source before any clamp, else the 8-bit values the GEMM took
     target = scale_target((scaled if scaled is not None else values()).reshape(data.shape), blocks, fmt, kind)
     if scaled is not None:
         # the cast's own input, where the GEMM's scale agrees with the cast's: exact, no slack
-        cast_input = None if cast_input is None else _per_block(cast_input.contiguous(), blocks)
+        cast_input = None if cast_input is None else to_blocks(cast_input.contiguous(), layout)
         exact = cast_input is not None and _within(cast_input, scaled, _SOURCE_SLACK)
         reference = cast_input if exact else scaled
         element = _element(fmt)
@@ -231,13 +236,6 @@ def _compact_factor(factor: Tensor, shape: torch.Size) -> Tensor | None:
     return factor
 
 
-def _per_block(t: Tensor, blocks: Sequence[int]) -> Tensor:
-    """A 2-D tensor (R, C) as (R/r, r, C/c, c) for `blocks` = (R/r, C/c): a view, so that a factor
-    of shape (R/r, 1, C/c, 1) scales each block without being repeated over it."""
-    rows, cols = t.shape
-    return t.reshape(blocks[0], rows // blocks[0], blocks[1], cols // blocks[1])
-
-
 def _granularity(factor: Tensor, shape: torch.Size, readable: bool) -> str:
     """ "tensor", "row" (one scale per row), "column", "RxC" blocks, or "unknown"."""
     if factor.numel() == 1:
@@ -269,21 +267,19 @@ def block_factor(
     if expanded:
         compact = _compact_key(factor.float(), shape_at, chain)
         return None if compact is None else compact.float()
-    # which factor each block takes depends on the shapes and the chain only: cached by them
+    # which factor each block takes depends on the shapes and the chain only: cached by them (a
+    # chain whose steps are not all plain values is read afresh)
     steps = tuple(getattr(step, "key", None) for step in chain)
-    cache_key = (tuple(factor.shape), factor.device, tuple(shape_at), steps)
-    if None in steps:
-        index = _compact_key(
-            torch.arange(factor.numel(), device=factor.device).reshape(factor.shape), shape_at, chain
-        )
-    else:
-        if cache_key not in _BLOCK_INDEX:
-            if len(_BLOCK_INDEX) >= 4096:
-                _BLOCK_INDEX.clear()
-            _BLOCK_INDEX[cache_key] = _compact_key(
-                torch.arange(factor.numel(), device=factor.device).reshape(factor.shape), shape_at, chain
-            )
-        index = _BLOCK_INDEX[cache_key]
+    cache_key = None if None in steps else (tuple(factor.shape), factor.device, tuple(shape_at), steps)
+    if cache_key not in _BLOCK_INDEX:
+        ids = torch.arange(factor.numel(), device=factor.device).reshape(factor.shape)
+        index = _compact_key(ids, shape_at, chain)
+        if cache_key is None:
+            return None if index is None else factor.float().flatten()[index]
+        if len(_BLOCK_INDEX) >= 4096:
+            _BLOCK_INDEX.clear()
+        _BLOCK_INDEX[cache_key] = index
+    index = _BLOCK_INDEX[cache_key]
     return None if index is None else factor.float().flatten()[index]
 
 
@@ -430,10 +426,10 @@ def _unlike_nearest(
     table: Codes | None = None,
 ) -> int:
     """How many elements of q = values() (the low-precision values as float32, computed only where
-    the tables do not settle it) round-to-nearest-even of the
-    scaled source cannot give, saturating at +-max, allowing the source the relative `slack` of
-    its recomputation: q must lie between the roundings of the interval's ends (rounding is
-    monotone). A non-finite source admits NaN and +-max.
+    the tables do not settle it) round-to-nearest-even of the scaled source cannot give,
+    saturating at +-max, allowing the source the relative `slack` of its recomputation: q must lie
+    between the roundings of the interval's ends (rounding is monotone). A non-finite source
+    admits NaN and +-max.
 
     First q against the rounding of the source itself, which every admitted interval contains: a
     quantization that matches it (the usual case) is settled in a few float operations on the
