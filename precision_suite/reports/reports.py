@@ -119,7 +119,8 @@ def write_report(
             adopted += _draw_case_charts(out, verdict.case, dataset)
         entries.append(_CaseEntry(verdict, tuple(adopted), tuple(missing)))
     # figures A and B, unless no chart is wanted: they are the picture
-    overview = _draw_overviews(out, datasets) if charts != "none" else []
+    drawn = {path for entry in entries for path in entry.charts}
+    overview = _draw_overviews(out, datasets, drawn) if charts != "none" else []
 
     known = {**{v.case: v.known for v in verdicts if getattr(v, "known", "")}, **(known or {})}
     summary = _summary(
@@ -158,11 +159,15 @@ def _adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], lis
         except ValueError:
             pass
         target = out / "charts" / f"{safe_filename(case)}-{source.name}"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(target) as handle, source.open("rb") as original:
-            shutil.copyfileobj(original, handle)
+        _copy(source, target)
         adopted.append(target.relative_to(out).as_posix())
     return adopted, missing
+
+
+def _copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(target) as handle, source.open("rb") as original:
+        shutil.copyfileobj(original, handle)
 
 
 def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
@@ -176,7 +181,7 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
             )
         )
     if "underflow" in ds.data_vars and "distortion" in ds.data_vars:
-        drawn.append(_save(out, f"{safe_filename(case)}-quant-error.png", plot_quant_error(ds)))
+        drawn.append(_save(out, _quant_error_chart(case).removeprefix("charts/"), plot_quant_error(ds)))
     if "observed_underflow" in ds.data_vars:
         drawn.append(
             _save(out, f"{safe_filename(case)}-observed-quant-error.png", plot_observed_quant_error(ds))
@@ -184,10 +189,11 @@ def _draw_case_charts(out: Path, case: str, ds: xr.Dataset) -> list[str]:
     return drawn
 
 
-def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
+def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset], drawn: set[str]) -> list[str]:
     """The papers' two figures: figure A per (model, recipe), one line per attention variant, and
-    figure B once, of the run that best shows it (`_figure_b_case`); where runs measured their
-    GEMMs' accumulation error, its law in K with their GEMMs on it."""
+    figure B once, of the run that best shows it (`_figure_b_case`: a copy of its case chart where
+    `drawn` holds it, the same figure); where runs measured their GEMMs' accumulation error, its law
+    in K with their GEMMs on it."""
     groups: dict[tuple[str, str], dict[str, xr.Dataset]] = {}
     for case, ds in datasets.items():
         if "attention_norm" not in ds.data_vars:
@@ -195,7 +201,7 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
         spec = run_spec(ds)
         key = (str(spec.get("model", "?")), str(spec.get("recipe", "?")))
         groups.setdefault(key, {})[str(spec.get("attention", case))] = ds
-    drawn = [
+    overview = [
         _save(
             out,
             f"overview-{safe_filename(model)}-{safe_filename(recipe)}-attention-norm.png",
@@ -206,15 +212,22 @@ def _draw_overviews(out: Path, datasets: Mapping[str, xr.Dataset]) -> list[str]:
     ]
     case = _figure_b_case(datasets)
     if case is not None:
-        drawn.append(
-            _save(out, f"overview-{safe_filename(case)}-quant-error.png", plot_quant_error(datasets[case]))
-        )
+        name, drawn_for_case = f"overview-{safe_filename(case)}-quant-error.png", _quant_error_chart(case)
+        if drawn_for_case in drawn:
+            _copy(out / drawn_for_case, out / "charts" / name)
+            overview.append(f"charts/{name}")
+        else:
+            overview.append(_save(out, name, plot_quant_error(datasets[case])))
     accumulating = {case: ds for case, ds in datasets.items() if "accumulation_sums" in ds.data_vars}
-    if accumulating:  # the law measured afresh (a few seconds), the runs' GEMMs drawn on it
-        drawn.append(
+    if accumulating:  # the law measured afresh (0.3 s, eager), the runs' GEMMs drawn on it
+        overview.append(
             _save(out, "overview-accumulation-law.png", plot_accumulation_law(error_law(), accumulating))
         )
-    return drawn
+    return overview
+
+
+def _quant_error_chart(case: str) -> str:
+    return f"charts/{safe_filename(case)}-quant-error.png"
 
 
 def _figure_b_case(datasets: Mapping[str, xr.Dataset]) -> str | None:

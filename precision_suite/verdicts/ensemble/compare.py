@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
-from scipy.stats import t as student_t
+
+# Student's t quantile from scipy.special: the same numbers as scipy.stats.t, a third of its import time
+from scipy.special import stdtrit
 
 from precision_suite.numerics.metric_table import METRICS, SPACES
 from precision_suite.verdicts.ensemble.first_point import counts_moved_together, first_point_finding
@@ -175,7 +177,7 @@ def mean_z_band(sigma: float, n: int, n_metrics: int, rate: float = FALSE_ALARM_
     runs is Student-t with `n` degrees of freedom; two-sided, Bonferroni over the case's metrics.
     This family of tests has its own `rate`: with the series' tests a case false-alarms at most at
     twice FALSE_ALARM_RATE."""
-    return float(student_t.ppf(1.0 - rate / (2.0 * max(n_metrics, 1)), df=n)) * sigma
+    return float(stdtrit(n, 1.0 - rate / (2.0 * max(n_metrics, 1)))) * sigma
 
 
 def _trained_moved_together(
