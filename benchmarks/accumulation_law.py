@@ -5,9 +5,9 @@
 For K = 128, 256, ..., 8192 and each of two kinds of random E4M3 operands (per-tensor amax
 scales): same-sign (|N(0, 1)| entries: every product adds, the sum grows like K) and mixed-sign
 (N(0, 1): the sum grows like sqrt(K)), it prints ||C - R||_F / ||R||_F
-(`numerics.accumulation.relative_error`) of a (rows x K) @ (K x rows) GEMM accumulated in float32,
+(`numerics.accumulation_error.relative_error`) of a (rows x K) @ (K x rows) GEMM accumulated in float32,
 hopper-fast and hopper-promoted (every 128), R the float64 product of the same quantized operands
-(`numerics.accumulation.error_law`, which the report's overview chart draws too). Expected
+(`numerics.accumulation_error.error_law`, which the report's overview chart draws too). Expected
 (SCIENCE.md, DeepSeek-V3 section 3.3.2): hopper-fast grows with K, hopper-promoted stays flat,
 float32 stays near 2^-24.
 """
@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from precision_suite.numerics.accumulation import ACCUMULATION_MODES, error_law
+from precision_suite.numerics.accumulation import ACCUMULATION_MODES
+from precision_suite.numerics.accumulation_error import error_law
 
 
 def markdown(table: list[dict[str, object]], rows: int) -> str:

@@ -1,4 +1,4 @@
-"""How far the accumulation error measured on a run's output subset (accumulation.output_subset)
+"""How far the accumulation error measured on a run's output subset (accumulation_error.output_subset)
 lands from the whole output's, on a user model's real GEMMs (issue 39).
 
     python benchmarks/accumulation_subset.py [--size 20M]
@@ -29,12 +29,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=list(SIZES), default="20M")
     args = parser.parse_args()
-    from precision_suite.numerics import accumulation
+    from precision_suite.numerics import accumulation_error
     from precision_suite.training import gemm_errors, recorder
     from precision_suite.training.runs import RunSpec, Trainer, seeded
 
     calls, where = [], {}
-    sampled_sums, observed_gemm = accumulation.error_sums_by_mode, gemm_errors.observed_gemm_errors
+    sampled_sums, observed_gemm = accumulation_error.error_sums_by_mode, gemm_errors.observed_gemm_errors
 
     def both(a, b, scale_a, scale_b, modes, **kwargs):
         sub = sampled_sums(a, b, scale_a, scale_b, modes, **kwargs)

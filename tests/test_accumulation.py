@@ -22,17 +22,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from precision_suite import quantize
-from precision_suite.numerics import accumulation
+from precision_suite.numerics import accumulation, accumulation_error, tensor_core
 from precision_suite.numerics.accumulation import (
     Accumulation,
     accumulate,
-    accumulation_error_sums,
     full_scales,
     parse_accumulation,
-    relative_error,
     scaled_gemm,
     split_dequantized,
 )
+from precision_suite.numerics.accumulation_error import accumulation_error_sums, relative_error
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 ELEMENT_OF = {dtype: name for name, dtype in FP8.items()}
@@ -417,7 +416,7 @@ def test_compiled_kernels_equal_mmaemu(mode, monkeypatch):
 
     monkeypatch.setenv("PRECISION_SUITE_COMPILE", "1")
     a, w = fp8_operand("normal", 64, 4096, "e4m3", 5), fp8_operand("codes", 64, 4096, "e4m3", 6)
-    assert a.shape[0] * w.shape[0] * a.shape[1] >= accumulation.COMPILE_MIN_PRODUCTS
+    assert a.shape[0] * w.shape[0] * a.shape[1] >= tensor_core.COMPILE_MIN_PRODUCTS
     ours = accumulate(a, w.t(), mode)
     assert not quantization._compile_failed, "torch.compile fell back to eager: nothing was compared"
     assert torch.equal(bits(ours), bits(mmaemu_accumulate(a, w, fast=mode == "hopper-fast")))
@@ -487,20 +486,23 @@ def _fp8_gemm(
 
 
 def test_the_output_subset_is_a_function_of_the_shape_alone():
-    rows, columns = accumulation.output_subset(512, 1376)
-    again = accumulation.output_subset(512, 1376)
+    rows, columns = accumulation_error.output_subset(512, 1376)
+    again = accumulation_error.output_subset(512, 1376)
     assert torch.equal(rows, again[0]) and torch.equal(columns, again[1])
-    assert len(rows) == accumulation.SAMPLED_ROWS and len(columns) == accumulation.SAMPLED_COLUMNS
+    assert len(rows) == accumulation_error.SAMPLED_ROWS and len(columns) == accumulation_error.SAMPLED_COLUMNS
     assert len(set(rows.tolist())) == len(rows) and bool((rows[1:] > rows[:-1]).all()) and int(rows[-1]) < 512
-    assert accumulation.output_subset(accumulation.SAMPLED_ROWS, 64) == (None, None)  # small: measured whole
+    assert accumulation_error.output_subset(accumulation_error.SAMPLED_ROWS, 64) == (
+        None,
+        None,
+    )  # small: measured whole
 
 
 def test_sampled_sums_are_the_subsets_sums_scaled_to_the_whole_output():
     a, b, scale_a, scale_b = _fp8_gemm(300, 256, 200, seed=3)
-    modes = list(accumulation.WHAT_IF)
-    sampled = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
-    rows, columns = accumulation.output_subset(300, 200)
-    subset = accumulation.error_sums_by_mode(
+    modes = list(accumulation_error.WHAT_IF)
+    sampled = accumulation_error.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
+    rows, columns = accumulation_error.output_subset(300, 200)
+    subset = accumulation_error.error_sums_by_mode(
         a[rows], b[:, columns], scale_a[rows], scale_b[:, columns], modes
     )
     weight = 300 * 200 / (len(rows) * len(columns))
@@ -509,17 +511,17 @@ def test_sampled_sums_are_the_subsets_sums_scaled_to_the_whole_output():
 
 
 def test_a_gemm_within_the_subset_or_with_a_nonfinite_operand_is_measured_whole():
-    modes = list(accumulation.WHAT_IF)
-    small = _fp8_gemm(accumulation.SAMPLED_ROWS, 256, 64, seed=4)
+    modes = list(accumulation_error.WHAT_IF)
+    small = _fp8_gemm(accumulation_error.SAMPLED_ROWS, 256, 64, seed=4)
     for got, whole in zip(
-        accumulation.error_sums_by_mode(*small, modes, sampled=True),
-        accumulation.error_sums_by_mode(*small, modes),
+        accumulation_error.error_sums_by_mode(*small, modes, sampled=True),
+        accumulation_error.error_sums_by_mode(*small, modes),
     ):
         assert torch.equal(got, whole)
     a, b, scale_a, scale_b = _fp8_gemm(300, 256, 200, seed=5)
     a = a.view(torch.uint8).clone()
     a[7, 9] = 0x7F  # an E4M3 NaN: the outputs it reaches are counted, not estimated
     a = a.view(torch.float8_e4m3fn)
-    got = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
-    whole = accumulation.error_sums_by_mode(a, b, scale_a, scale_b, modes)
+    got = accumulation_error.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
+    whole = accumulation_error.error_sums_by_mode(a, b, scale_a, scale_b, modes)
     assert all(torch.equal(x, y) for x, y in zip(got, whole)) and float(whole[0][2]) == 200

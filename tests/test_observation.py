@@ -325,7 +325,7 @@ def test_a_users_scaled_mm_is_accumulated_as_its_use_fast_accum_says(monkeypatch
 
     import mmaemu
 
-    from precision_suite.numerics.accumulation import output_subset, relative_error
+    from precision_suite.numerics.accumulation_error import output_subset, relative_error
     from precision_suite.training.views import AS_RUN, module_view
 
     calls = []

@@ -446,7 +446,8 @@ def test_block_scaled_hopper_gemms_apply_each_chunks_scales_on_promotion():
 
 
 def test_gemm_error_sums_measure_each_mode_on_what_the_gemm_consumed():
-    from precision_suite.numerics.accumulation import Accumulation, relative_error
+    from precision_suite.numerics.accumulation import Accumulation
+    from precision_suite.numerics.accumulation_error import relative_error
     from precision_suite.training.quant_linear import gemm_error_sums
 
     recipe = get_recipe("fp8-hybrid-hopper")

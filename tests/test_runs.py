@@ -431,13 +431,13 @@ def test_compile_1_compiles_even_a_small_run(monkeypatch):
 
 
 def test_nothing_compiles_inside_eager_whatever_the_size_or_setting(monkeypatch):
-    from precision_suite.numerics import accumulation, quantization
+    from precision_suite.numerics import quantization, tensor_core
 
     monkeypatch.setenv("PRECISION_SUITE_COMPILE", "1")
     big = 1 << 30
     assert quantization.compiling(big)
-    assert quantization.compiling(big, accumulation.COMPILE_MIN_PRODUCTS, run_decides=False)
+    assert quantization.compiling(big, tensor_core.COMPILE_MIN_PRODUCTS, run_decides=False)
     with quantization.eager():
         assert not quantization.compiling(big)
-        assert not quantization.compiling(big, accumulation.COMPILE_MIN_PRODUCTS, run_decides=False)
+        assert not quantization.compiling(big, tensor_core.COMPILE_MIN_PRODUCTS, run_decides=False)
     assert quantization.compiling(big)  # restored on leaving

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from precision_suite.numerics.accumulation import ERROR_FIELDS
+from precision_suite.numerics.accumulation_error import ERROR_FIELDS
 from precision_suite.numerics.metrics import SUM_FIELDS, quant_stats
 from precision_suite.reports.figures import _gemms_as_run
 from precision_suite.training.observed_operands import GEMMS

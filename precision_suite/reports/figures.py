@@ -192,13 +192,15 @@ def plot_accumulation_law(
     path: str | os.PathLike | None = None,
 ) -> Figure:
     """The accumulation error's law in K (SCIENCE.md): `law`, the rows of
-    `numerics.accumulation.error_law` ({"K", "data", mode: error}), a line per mode and kind of
+    `numerics.accumulation_error.error_law` ({"K", "data", mode: error}), a line per mode and kind of
     data (solid same-sign, dashed mixed-sign) on log-log axes: hopper-fast rises with K,
     hopper-promoted stays flat. `datasets`: runs whose GEMMs were measured (`accumulation_error`),
     each GEMM as it ran drawn as a point at its K, in its mode's colour, at its median over the
     sampled steps."""
     if not law:
-        raise ValueError("plot_accumulation_law: `law` is empty; pass numerics.accumulation.error_law()")
+        raise ValueError(
+            "plot_accumulation_law: `law` is empty; pass numerics.accumulation_error.error_law()"
+        )
     modes = [key for key in law[0] if key not in ("K", "data")]
     colours = dict(zip(modes, palette(len(modes))))
     fig, axes = new_figure(1, 1, (7.0, 4.2))

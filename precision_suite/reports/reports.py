@@ -30,7 +30,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import atomic_file, safe_filename
-from precision_suite.numerics.accumulation import error_law
+from precision_suite.numerics.accumulation_error import error_law
 from precision_suite.reports.canvas import save_figure
 from precision_suite.reports.figures import (
     plot_accumulation_law,

@@ -9,13 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 from torch import Tensor
 
-from precision_suite.numerics.accumulation import (
-    ERROR_FIELDS,
-    HOPPER_ELEMENTS,
-    WHAT_IF,
-    Accumulation,
-    error_sums_by_mode,
-)
+from precision_suite.numerics.accumulation import Accumulation
+from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF, error_sums_by_mode
+from precision_suite.numerics.tensor_core import HOPPER_ELEMENTS
 from precision_suite.training.attention_capture import outside_capture
 from precision_suite.training.observation import GemmCall
 from precision_suite.training.observed_operands import low_precision_format

@@ -14,12 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from precision_suite.numerics.accumulation import (
-    Accumulation,
-    accumulation_error_sums,
-    error_sums_by_mode,
-    scaled_gemm,
-)
+from precision_suite.numerics.accumulation import Accumulation, scaled_gemm
+from precision_suite.numerics.accumulation_error import accumulation_error_sums, error_sums_by_mode
 from precision_suite.numerics.formats import get_format
 from precision_suite.training.model_modes import GemmArguments, gemm_received, unobserved
 from precision_suite.training.probes import Scheme
@@ -92,7 +88,7 @@ def gemm_error_sums(
     it lands from the float64 product of the operands it consumed (fp32 needs no FP8 operands);
     None for a hopper mode the hardware cannot run with the operands' scales (`runs_on`).
     `computed`: results of the GEMM already at hand (`emulated_gemm`'s), not computed again.
-    `sampled`: the hopper modes on `accumulation.output_subset`'s outputs (`error_sums_by_mode`)."""
+    `sampled`: the hopper modes on `accumulation_error.output_subset`'s outputs (`error_sums_by_mode`)."""
     fp32 = Accumulation()
     sums: dict[Accumulation, Tensor | None] = {}
     if fp32 in accumulations:

@@ -45,15 +45,11 @@ import torch
 from torch import Tensor
 
 from precision_suite.numerics import quantization  # by module: a planted bug in its scale rule reaches us too
-from precision_suite.numerics.accumulation import (
-    HOPPER_ELEMENTS,
-    Accumulation,
-    full_scales,
-    split_dequantized,
-)
+from precision_suite.numerics.accumulation import Accumulation, full_scales, split_dequantized
 from precision_suite.numerics.formats import ElementType, get_format
 from precision_suite.numerics.layouts import Layout, from_blocks, layout_text, parse_layout, to_blocks
 from precision_suite.numerics.quantization import quantize
+from precision_suite.numerics.tensor_core import HOPPER_ELEMENTS
 from precision_suite.training.model_modes import unobserved
 from precision_suite.training.observed_operands import CONTRACTION_AXIS
 from precision_suite.training.probes import Scheme, operand_shapes, transpose_layout

@@ -30,8 +30,8 @@ do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``quant_linear.add_ge
 operands and its result) or a scaled GEMM of the model's own code (its ``use_fast_accum``
 selecting the mode), is measured
 against the float64 product of the same quantized operands, as it ran and under each mode of
-``accumulation.WHAT_IF`` (``accumulation_sums``, docs/runs.md), on a fixed subset of its outputs
-(``accumulation.output_subset``: at most 128 rows x 128 columns, the same in every run of the
+``accumulation_error.WHAT_IF`` (``accumulation_sums``, docs/runs.md), on a fixed subset of its outputs
+(``accumulation_error.output_subset``: at most 128 rows x 128 columns, the same in every run of the
 shape; the sums scaled to the whole output's). GEMMs that accumulate in float32
 record nothing, so runs without such GEMMs have none of these variables.
 
@@ -57,10 +57,7 @@ import numpy as np
 import xarray as xr
 from torch import Tensor, nn
 
-from precision_suite.numerics.accumulation import (
-    ERROR_FIELDS,
-    WHAT_IF,
-)
+from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
 from precision_suite.training.attention_capture import AttentionCapture, attention_norm, outside_capture
 from precision_suite.training.gemm_errors import GemmErrors, add_errors, observed_gemm_errors

@@ -17,7 +17,7 @@ import numpy as np
 import xarray as xr
 
 from precision_suite.files import SCHEMA_VERSION
-from precision_suite.numerics.accumulation import ERROR_FIELDS, WHAT_IF, relative_errors
+from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF, relative_errors
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
 from precision_suite.training.observed_operands import GEMMS
