@@ -15,7 +15,7 @@ import pytest
 
 from precision_suite import cli
 from precision_suite.jobs import two_commits
-from precision_suite.jobs.two_commits import Measurement
+from precision_suite.jobs.clean_measurement import Measurement
 from precision_suite.verdicts.differences import Difference
 from test_browser import chromium, rendered
 
