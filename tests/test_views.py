@@ -10,17 +10,11 @@ import torch
 from precision_suite.numerics.accumulation_error import ERROR_FIELDS
 from precision_suite.numerics.metrics import SUM_FIELDS, quant_stats
 from precision_suite.reports.figures import _gemms_as_run
+from precision_suite.training.module_variables import AccumulationSteps, ObservedSteps
 from precision_suite.training.observed_operands import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
 from precision_suite.training.recipes import GEMM_OPERANDS
-from precision_suite.training.views import (
-    ACCUMULATIONS,
-    AS_RUN,
-    AccumulationSteps,
-    ObservedSteps,
-    module_view,
-    run_dataset,
-)
+from precision_suite.training.views import ACCUMULATIONS, AS_RUN, module_view, run_dataset
 
 GEMM_MODULES = ["blocks.0.attn.qkv", "blocks.0.mlp.up", "head"]
 ATTENTION_MODULES = ["blocks.0.attn", "blocks.1.attn"]

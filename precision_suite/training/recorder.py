@@ -63,6 +63,7 @@ from precision_suite.training.attention_capture import AttentionCapture, attenti
 from precision_suite.training.gemm_errors import GemmErrors, add_errors, observed_gemm_errors
 from precision_suite.training.linear_modules import WeightReader, module_filter, select_gemms
 from precision_suite.training.model_modes import sequence_number, tag_nodes
+from precision_suite.training.module_variables import AccumulationSteps, ObservedSteps
 from precision_suite.training.observation import Observation
 from precision_suite.training.observed_operands import (
     GEMMS,
@@ -85,13 +86,7 @@ from precision_suite.training.quant_linear import (
     reduction_length,
 )
 from precision_suite.training.recipes import GEMM_OPERANDS, Operand, Recipe
-from precision_suite.training.views import (
-    ACCUMULATIONS,
-    AccumulationSteps,
-    ObservedSteps,
-    OperandCounts,
-    run_dataset,
-)
+from precision_suite.training.views import ACCUMULATIONS, OperandCounts, run_dataset
 
 ATTENTION_MODES = ("auto", None)
 

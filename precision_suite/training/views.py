@@ -20,6 +20,13 @@ from precision_suite.files import SCHEMA_VERSION
 from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF, relative_errors
 from precision_suite.numerics.metric_table import METRICS, QUANT_METRICS, observed_name
 from precision_suite.numerics.metrics import SUM_FIELDS, metrics_from_sums
+from precision_suite.training.module_variables import (
+    AccumulationSteps,
+    ObservedSteps,
+    accumulation_variables,
+    observed_variables,
+    recipe_variables,
+)
 from precision_suite.training.observed_operands import GEMMS
 from precision_suite.training.probes import TENSOR_ROLES
 from precision_suite.training.recipes import GEMM_OPERANDS, Recipe
@@ -48,30 +55,6 @@ ACCUMULATION_VARIABLES = (
 # the suite's recipe each module trained with (Recipe.describe), per module already: the module view keeps them
 RECIPE_VARIABLES = ("recipe_operand", "recipe_accumulation")
 _OUTPUTS = ERROR_FIELDS.index("outputs")
-
-
-class ObservedSteps(NamedTuple):
-    """What the model's own quantization did (training/observation.py), over (step, module, ...)."""
-
-    sums: np.ndarray  # (step, module, operand, sum_field) float64: sums of the observed quantizations
-    formats: np.ndarray  # (step, module, operand) str: "<fmt>:<granularity>", "" where none was seen
-    blocks: np.ndarray  # (step, module, operand) str: the block one scale covers, "RxC" or "tensor"
-    scales: np.ndarray  # (step, module, operand) str: the scale's kind
-    targets: (
-        np.ndarray
-    )  # (step, module, operand) float64: the scale's target (observed_operands.scale_target), NaN: none
-    shapes: np.ndarray  # (step, module, operand) str: the operand's "RxC" in the suite's orientation
-    gemms: np.ndarray  # (step, module, gemm) int64: scaled GEMMs observed
-    accumulation: np.ndarray  # (step, module, gemm) str: "fast", "precise" or "" (not said)
-    unconsumed: np.ndarray  # (step, module) int64: elements cast to 8 bits that no observed GEMM took
-
-
-class AccumulationSteps(NamedTuple):
-    """The accumulation error of the FP8 GEMMs a run emulated or observed, over (step, module, gemm)."""
-
-    sums: np.ndarray  # (step, module, gemm, accumulation, accumulation_field) float64: ERROR_FIELDS sums
-    modes: np.ndarray  # (step, module, gemm) str: the mode the GEMM ran with, "" where none was recorded
-    reductions: np.ndarray  # (step, module, gemm) int64: K, the products summed per output (0: none)
 
 
 class OperandCounts(NamedTuple):
@@ -179,16 +162,16 @@ def run_dataset(
             {"description": "the recipe's declared format:layout[:stochastic] of each operand, or fp32"},
         )
     if observed is not None:
-        data_vars.update(_observed_vars(observed))
+        data_vars.update(observed_variables(observed))
         coords["gemm"] = np.array(GEMMS, dtype=object)
         coords.setdefault("operand", np.array(GEMM_OPERANDS, dtype=object))
     if accumulation is not None:
-        data_vars.update(_accumulation_vars(accumulation))
+        data_vars.update(accumulation_variables(accumulation))
         coords["gemm"] = np.array(GEMMS, dtype=object)
         coords["accumulation"] = np.array(ACCUMULATIONS, dtype=object)
         coords["accumulation_field"] = np.array(ERROR_FIELDS, dtype=object)
     if recipes is not None and any(recipes):
-        data_vars.update(_recipe_vars(recipes))
+        data_vars.update(recipe_variables(recipes))
         coords["gemm"] = np.array(GEMMS, dtype=object)
         coords.setdefault("operand", np.array(GEMM_OPERANDS, dtype=object))
     layers = sorted({int(v) for v in (*module_layer, *attention_layer) if v >= 0})
@@ -319,181 +302,6 @@ def _metric_vars(
                 "long_name": "elements counted",
                 "units": "1",
                 "description": f"elements pooled into each {where}'s fractions per step",
-            },
-        ),
-    }
-
-
-def _observed_vars(observed: ObservedSteps) -> dict[str, Any]:
-    """The per-module variables of the observed quantization (the recipe, GEMM counts, sums)."""
-    per_operand, per_gemm = ("step", "module", "operand"), ("step", "module", "gemm")
-    return {
-        "observed_sums": (
-            (*per_operand, "sum_field"),
-            observed.sums,
-            {
-                "long_name": "additive sums of the observed quantization per module",
-                "units": "1",
-                "description": "sum_field sums of each GEMM operand the model's own code quantized, against "
-                "the high-precision tensor it came from (0 where none was observed)",
-            },
-        ),
-        "observed_format": (
-            per_operand,
-            observed.formats,
-            {
-                "long_name": "observed operand format",
-                "units": "1",
-                "description": "<element format>:<scale granularity> of each operand the module's scaled "
-                "GEMMs consumed, in recipe vocabulary (tensor, row, column, RxC blocks); "
-                "several joined by |; empty where none was observed",
-            },
-        ),
-        "observed_block": (
-            per_operand,
-            observed.blocks,
-            {
-                "long_name": "observed scaling block",
-                "units": "1",
-                "description": "rows x columns one scale of the operand covers (x as tokens x in, W as out x in, "
-                "dy as tokens x out), or tensor",
-            },
-        ),
-        "observed_scale": (
-            per_operand,
-            observed.scales,
-            {
-                "long_name": "observed scale kind",
-                "units": "1",
-                "description": "dtype of each operand's scale, with pow2 when every scale is a power of two",
-            },
-        ),
-        "observed_target": (
-            per_operand,
-            observed.targets,
-            {
-                "long_name": "observed scale target",
-                "units": "1",
-                "description": "where the operand's scale maps each block's amax, as a fraction of the format's "
-                "largest finite value (1.0: amax -> 448 in E4M3), the median over blocks to 2 "
-                "significant digits; with power-of-two scales the upper end of the bracket "
-                "(T/2, T] they leave, a power of two; NaN where none was observed",
-            },
-        ),
-        "observed_shape": (
-            per_operand,
-            observed.shapes,
-            {
-                "long_name": "observed operand shape",
-                "units": "1",
-                "description": "rows x columns of the operand as the recipes describe it (a block clips to it); "
-                "not part of the recipe",
-            },
-        ),
-        "observed_gemms": (
-            per_gemm,
-            observed.gemms,
-            {
-                "long_name": "observed scaled GEMMs",
-                "units": "1",
-                "description": "GEMMs (fprop, dgrad, wgrad) the module ran on the sampled step with a quantized "
-                "operand: scaled GEMMs and matrix products of dequantized casts (fake quantization)",
-            },
-        ),
-        "observed_accumulation": (
-            per_gemm,
-            observed.accumulation,
-            {
-                "long_name": "observed GEMM accumulation flag",
-                "units": "1",
-                "description": "fast (use_fast_accum) or precise, as the GEMM call said; empty where it did not",
-            },
-        ),
-        "observed_unconsumed": (
-            ("step", "module"),
-            observed.unconsumed,
-            {
-                "long_name": "elements cast to 8 bits that no observed GEMM consumed",
-                "units": "1",
-                "description": "casts whose GEMM the suite could not see (a kernel inside a compiled graph or an "
-                "extension), or that fed no GEMM",
-            },
-        ),
-    }
-
-
-def _accumulation_vars(accumulation: AccumulationSteps) -> dict[str, Any]:
-    per_gemm = ("step", "module", "gemm")
-    return {
-        "accumulation_sums": (
-            (*per_gemm, "accumulation", "accumulation_field"),
-            accumulation.sums,
-            {
-                "long_name": "additive sums of the GEMM accumulation error per module",
-                "units": "1",
-                "description": "float64 sums (accumulation_field) of each GEMM accumulated as an H100's FP8 tensor "
-                "cores do (numerics/accumulation.py) against the float64 product of the same quantized "
-                "operands: sum (C - R)^2 and sum R^2 over the finite outputs, outputs left out, outputs; "
-                "a layer's error is its modules' sums added, then the ratio; 0 where not measured",
-            },
-        ),
-        "accumulation_mode": (
-            per_gemm,
-            accumulation.modes,
-            {
-                "long_name": "accumulation of the GEMM as it ran",
-                "units": "1",
-                "description": "hopper-fast or hopper-promoted:N: the recipe's accumulate, or the use_fast_accum flag "
-                "of the model's own scaled GEMM (fast: hopper-fast, else hopper-promoted:128, cuBLAS's "
-                "split accumulator); several joined by |; empty where no FP8 GEMM accumulated so",
-            },
-        ),
-        "accumulation_k": (
-            per_gemm,
-            accumulation.reductions,
-            {
-                "long_name": "GEMM reduction length K",
-                "units": "1",
-                "description": "products summed per output of the GEMM (fprop: in features, dgrad: out features, "
-                "wgrad: tokens); the largest where a module ran it with several; 0 where not measured",
-            },
-        ),
-    }
-
-
-def _recipe_vars(recipes: Sequence[Recipe | None]) -> dict[str, Any]:
-    """The suite's recipe per module as data: each GEMM operand's format:layout[:stochastic] and each
-    GEMM's accumulation, as `Recipe.describe` (and a `[recipes.NAME]` table) writes them."""
-    described = [recipe.describe() if recipe is not None else None for recipe in recipes]
-    operands = np.array(
-        [
-            [d[gemm][side] if d else "" for gemm, side in (o.split(".") for o in GEMM_OPERANDS)]
-            for d in described
-        ],
-        dtype=object,
-    ).reshape(len(recipes), len(GEMM_OPERANDS))
-    accumulation = np.array(
-        [[d[gemm]["accumulate"] if d else "" for gemm in GEMMS] for d in described], dtype=object
-    ).reshape(len(recipes), len(GEMMS))
-    return {
-        "recipe_operand": (
-            ("module", "operand"),
-            operands,
-            {
-                "long_name": "recipe operand format",
-                "units": "1",
-                "description": "format:layout[:stochastic] of each GEMM operand in the suite's recipe the module "
-                "trained with, or fp32; empty where the module had no recipe of the suite's",
-            },
-        ),
-        "recipe_accumulation": (
-            ("module", "gemm"),
-            accumulation,
-            {
-                "long_name": "recipe GEMM accumulation",
-                "units": "1",
-                "description": "fp32, hopper-fast or hopper-promoted:N: the accumulate of each GEMM in the suite's "
-                "recipe the module trained with; empty where the module had no recipe of the suite's",
             },
         ),
     }
