@@ -17,6 +17,7 @@ import user_fp8
 import user_torchao
 from cast_capture import CastRecorder
 from precision_suite.numerics.metrics import SUM_FIELDS
+from precision_suite.training.observation import Observation
 from precision_suite.training.observed_operands import CONTRACTION_AXIS, low_precision_format
 from precision_suite.training.recipe_registry import get_recipe
 from precision_suite.training.recipes import GEMM_OPERANDS
@@ -147,6 +148,27 @@ def test_observed_counts_equal_a_recomputation_from_the_captured_casts_bit_for_b
         cosine = float((y.double() * q.double()).sum() / (y.double().norm() * q.double().norm()))
         distortion = float(ds["observed_distortion"].sel(step=0, layer=0, operand=operand))
         assert distortion == pytest.approx(cosine, rel=0, abs=2 * 2.0**-24), operand
+
+
+def test_a_cast_lets_go_of_its_tensors_once_no_gemm_can_take_it(monkeypatch):
+    """A cast keeps its input and source (a full-size float tensor each) only while a GEMM can
+    still take it: while its output lives, or while its module runs (changed 8-bit data
+    dequantizes as the module's latest cast of its shape). So a sampled step holds what the model
+    holds, not a float copy of every tensor it cast."""
+    seen: list = []
+    finish = Observation.finish
+
+    def keep_casts(self):  # the step's casts as the step ends, before finish lets them go
+        seen.append((list(self.casts), self._module))
+        return finish(self)
+
+    monkeypatch.setattr(Observation, "finish", keep_casts)
+    one_step(torchao_model(monkeypatch))
+    ((casts, last_module),) = seen
+    gone = [cast for cast in casts if cast.output is None and cast.module != last_module]
+    assert len(gone) > len(casts) // 2  # torchao casts again in backward: few outputs outlive their GEMM
+    assert all(cast.cast_input is None and cast.source is None for cast in gone)
+    assert all(cast.elements > 0 for cast in casts)  # what finish counts stays
 
 
 def test_a_users_own_casts_and_scaled_mm_are_observed_and_checked():

@@ -19,7 +19,8 @@ either. GEMMs, per operand:
   source and input, and on the scale's index, so blocks are read from the scale's shape, not its
   values). The other operand, if plain, is described as unquantized (``fp32``); the accumulation
   of such a GEMM is not modelled (it runs in float32). 8-bit data the model's code made from its
-  latest cast of that shape (a rounding kernel stepping codes) dequantizes as that cast;
+  latest cast of that shape (a rounding kernel stepping codes) dequantizes as that cast, made
+  before another module casts or multiplies (a cast keeps its float tensors no longer: `Cast`);
 - in the backward of a linear-like module whose GEMMs took a quantized operand this step, a
   GEMM of plain tensors (a straight-through backward): both operands ``fp32``, no quantized GEMM.
 
@@ -155,6 +156,8 @@ class Observation(ModelMode):
             WeakIdKeyDictionary()
         )  # tensor -> Dequantization of a cast's output
         self._quantized: set[str] = set()  # modules whose GEMMs took a quantized operand this step
+        self._latest: dict[tuple, Cast] = {}  # (module, shape, dtype) -> the latest such cast
+        self._module: str | None = None  # the module of the latest cast or GEMM
         self._backward_gemms: dict[tuple[str, int], int] = {}  # (module, autograd node) -> GEMMs seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -172,7 +175,7 @@ class Observation(ModelMode):
                 elif low_precision_format(output.dtype) is None and output.is_floating_point():
                     link = self._links.get(cast_input) or self._changed_cast(cast_input)
                     if link is not None and not link.wide:  # 8 bits back to a wider float
-                        self._links[output] = replace(link, wide=True)
+                        self._links[output] = link.derived(wide=True)
         elif func in _SCALINGS:
             if isinstance(out, Tensor) and out.is_floating_point() and isinstance(args[0], Tensor):
                 self._scaled[out] = (_SCALINGS[func], args[0], args[1])
@@ -206,9 +209,32 @@ class Observation(ModelMode):
         module, _ = self._where()
         if not self.wanted(module):
             return
+        self._running(module)
         source, scaling = self._unscaled(cast_input)
-        self.casts.append(Cast(module, cast_input, output, source, scaling))
-        self._links[output] = Dequantization(self.casts[-1])
+        cast = Cast(module, cast_input, output, source, scaling, on_gone=self._output_gone)
+        key = (module, cast.shape, cast.dtype)
+        previous, self._latest[key] = self._latest.get(key), cast
+        if previous is not None and previous.output is None:
+            previous.release()
+        self.casts.append(cast)
+        self._links[output] = Dequantization(cast)
+
+    def _output_gone(self, cast: Cast) -> None:
+        """A cast's output is gone: its tensors go too, unless its module's next changed 8-bit
+        data of that shape may still be made from it (`_changed_cast`)."""
+        if self._latest.get((cast.module, cast.shape, cast.dtype)) is not cast:
+            cast.release()
+
+    def _running(self, module: str) -> None:
+        """A cast or GEMM of `module`: other modules' latest casts are no longer what changed
+        8-bit data dequantizes as (that is made by the code that cast, before it moves on)."""
+        if module == self._module:
+            return
+        self._module = module
+        for key in [key for key in self._latest if key[0] != module]:
+            cast = self._latest.pop(key)
+            if cast.output is None:
+                cast.release()
 
     def _changed_cast(self, data: Tensor) -> Dequantization | None:
         """8-bit data no observed cast produced, taken as the module's latest cast of that shape
@@ -221,13 +247,11 @@ class Observation(ModelMode):
             (
                 c
                 for c in reversed(self.casts)
-                if c.module == module and c.output.shape == data.shape and c.output.dtype == data.dtype
+                if c.module == module and c.shape == tuple(data.shape) and c.dtype == data.dtype
             ),
             None,
         )
-        return (
-            None if cast is None else Dequantization(replace(cast, output=data, consumed=False, origin=cast))
-        )
+        return None if cast is None else Dequantization(cast.changed(data))
 
     def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
         """A dequantized 8-bit tensor multiplied (q * s: the reconstruction divides by s's
@@ -244,7 +268,7 @@ class Observation(ModelMode):
             else torch.tensor(float(b), dtype=torch.float32, device=out.device)
         )
         scaling = Scaling("div" if func is aten.mul.Tensor else "mul", factor)
-        self._links[out] = replace(link, scaling=scaling, at=len(link.chain), shape_at=tuple(out.shape))
+        self._links[out] = link.derived(scaling=scaling, at=len(link.chain), shape_at=tuple(out.shape))
 
     def _product(self, func: Any, pair: Sequence[Any]) -> None:
         """A matrix product of plain tensors: a fake-quantized GEMM where an operand is a
@@ -324,6 +348,7 @@ class Observation(ModelMode):
         module, backward = self._where()
         if not self.wanted(module):
             return
+        self._running(module)
         gemm, swapped = self._which_gemm(module, backward, a, b)
         quantized = a.scaling is not None or b.scaling is not None
         if quantized:
@@ -407,7 +432,7 @@ class Observation(ModelMode):
         bits = data.view(torch.uint8)
         for cast in reversed(self.casts):
             out = cast.output
-            if out.numel() != data.numel() or out.dtype != data.dtype or out.dim() < 2:
+            if out is None or out.numel() != data.numel() or out.dtype != data.dtype or out.dim() < 2:
                 continue
             out = out.reshape(-1, out.shape[-1])
             if out.shape == data.shape and torch.equal(out.view(torch.uint8), bits):
@@ -491,8 +516,8 @@ class Observation(ModelMode):
         step = StepObservation(self.operands, {cast.module for cast in self.casts})
         for cast in self.casts:
             if not cast.consumed:
-                step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.output.numel()
-        self.operands, self.casts, self._quantized = [], [], set()
+                step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.elements
+        self.operands, self.casts, self._quantized, self._latest = [], [], set(), {}
         self._scaled, self._clamped, self._links = (
             WeakIdKeyDictionary(),
             WeakIdKeyDictionary(),

@@ -9,6 +9,9 @@ accuracy per training step. See docs/runs.md for the fields and the dataset layo
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import platform
 from collections.abc import Callable, Iterator
@@ -163,6 +166,8 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if sampled:
+            release_freed_memory()
         return loss.item(), _accuracy(logits, targets)
 
     def evaluate(self) -> tuple[float, float]:
@@ -177,6 +182,24 @@ class Trainer:
         """(logits with one row per target, cross-entropy loss)."""
         logits = _logits(self.model(inputs)).reshape(targets.numel(), -1)
         return logits, F.cross_entropy(logits, targets)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the free pages of the C heap back to the system (glibc's malloc_trim; nothing
+    elsewhere). glibc keeps what a sampled step's temporaries freed, scattered, so each sampled
+    step's high-water mark added to the process's peak: a 17M-parameter Llama at sample_every 2
+    peaked at 1.8 GB, 1.2 GB trimmed after each sampled step, bare training 0.8 GB (issue 39)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _replacement_error(recipe: str, own: list[str]) -> str:
