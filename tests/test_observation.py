@@ -159,7 +159,7 @@ def test_a_cast_lets_go_of_its_tensors_once_no_gemm_can_take_it(monkeypatch):
     finish = Observation.finish
 
     def keep_casts(self):  # the step's casts as the step ends, before finish lets them go
-        seen.append((list(self.casts), self._module))
+        seen.append((list(self.casts.all), self.casts.module))
         return finish(self)
 
     monkeypatch.setattr(Observation, "finish", keep_casts)

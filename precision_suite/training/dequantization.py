@@ -1,7 +1,8 @@
 """How a tensor the observation saw derives from a cast into an 8-bit float: the cast (`Cast`), the
 chain of views, reshapes, transposes, expands and copies since (`Dequantization`: replayed on the
 cast's output, source and input at the GEMM, and on the scale's index, so blocks are read from the
-scale's shape, not its values), and the GEMM operand it gives (`GemmOperand`). observation.py
+scale's shape, not its values), the GEMM operand it gives (`GemmOperand`), and a step's casts
+(`StepCasts`: found by output or source, each let go of once no GEMM can take it). observation.py
 records them as the model runs; observed_operands.py describes each operand.
 """
 
@@ -130,6 +131,89 @@ class Cast:
     def _gone(self, _: weakref.ref) -> None:
         if self._on_gone is not None:
             self._on_gone(self)
+
+
+class StepCasts:
+    """The casts of one sampled step, in order: found by output, by source or as the latest of a
+    module's shape, and let go of (`Cast.release`) once no GEMM can take them."""
+
+    def __init__(self) -> None:
+        self.all: list[Cast] = []
+        self.module: str | None = None  # the module of the latest cast or GEMM
+        self._latest: dict[tuple, Cast] = {}  # (module, shape, dtype) -> the latest such cast
+
+    def add(
+        self, module: str, cast_input: Tensor, output: Tensor, source: Tensor | None, scaling: Scaling | None
+    ) -> Cast:
+        self.running(module)
+        cast = Cast(module, cast_input, output, source, scaling, on_gone=self._output_gone)
+        key = (module, cast.shape, cast.dtype)
+        previous, self._latest[key] = self._latest.get(key), cast
+        if previous is not None and previous.output is None:
+            previous.release()
+        self.all.append(cast)
+        return cast
+
+    def running(self, module: str) -> None:
+        """A cast or GEMM of `module`: other modules' latest casts are no longer what changed
+        8-bit data dequantizes as (that is made by the code that cast, before it moves on)."""
+        if module == self.module:
+            return
+        self.module = module
+        for key in [key for key in self._latest if key[0] != module]:
+            cast = self._latest.pop(key)
+            if cast.output is None:
+                cast.release()
+
+    def _output_gone(self, cast: Cast) -> None:
+        """A cast's output is gone: its tensors go too, unless its module's next changed 8-bit
+        data of that shape may still be made from it (`latest`)."""
+        if self._latest.get((cast.module, cast.shape, cast.dtype)) is not cast:
+            cast.release()
+
+    def latest(self, module: str, data: Tensor) -> Cast | None:
+        """The module's latest cast of `data`'s shape and dtype."""
+        key = (module, tuple(data.shape), data.dtype)
+        return next((c for c in reversed(self.all) if (c.module, c.shape, c.dtype) == key), None)
+
+    def of(self, data: Tensor) -> tuple[Cast, bool] | None:
+        """The latest cast whose output is `data` (or its transpose), and whether it is
+        transposed."""
+        bits = data.view(torch.uint8)
+        for cast in reversed(self.all):
+            out = cast.output
+            if out is None or out.numel() != data.numel() or out.dtype != data.dtype or out.dim() < 2:
+                continue
+            out = out.reshape(-1, out.shape[-1])
+            if out.shape == data.shape and torch.equal(out.view(torch.uint8), bits):
+                return cast, False
+            if out.shape == data.shape[::-1] and torch.equal(out.view(torch.uint8).t(), bits):
+                return cast, True
+        return None
+
+    def from_source(self, tensor: Tensor) -> tuple[Cast, bool] | None:
+        """The latest cast whose source is `tensor` (same memory, as it or transposed)."""
+        for cast in reversed(self.all):
+            source = cast.source
+            if source is None or source.numel() != tensor.numel() or source.data_ptr() != tensor.data_ptr():
+                continue
+            shape = source.reshape(-1, source.shape[-1]).shape if source.dim() >= 2 else None
+            if shape == tensor.shape:
+                return cast, False
+            if shape == tensor.shape[::-1]:
+                return cast, True
+        return None
+
+    def modules(self) -> set[str]:
+        return {cast.module for cast in self.all}
+
+    def unconsumed(self) -> dict[str, int]:
+        """Per module, the elements of its casts no observed GEMM consumed."""
+        counts: dict[str, int] = {}
+        for cast in self.all:
+            if not cast.consumed:
+                counts[cast.module] = counts.get(cast.module, 0) + cast.elements
+        return counts
 
 
 @dataclass

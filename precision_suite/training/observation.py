@@ -53,6 +53,7 @@ from precision_suite.training.dequantization import (
     Cast,
     Dequantization,
     GemmOperand,
+    StepCasts,
     first_matrix,
     same_op,
 )
@@ -149,15 +150,13 @@ class Observation(ModelMode):
         super().__init__()
         self.module_now, self.live, self.wanted, self.on_gemm = module_now, live, modules, on_gemm
         self.operands: list[ObservedOperand] = []
-        self.casts: list[Cast] = []
+        self.casts = StepCasts()
         self._scaled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> (op, source, factor)
         self._clamped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # output -> input
         self._links: WeakIdKeyDictionary = (
             WeakIdKeyDictionary()
         )  # tensor -> Dequantization of a cast's output
         self._quantized: set[str] = set()  # modules whose GEMMs took a quantized operand this step
-        self._latest: dict[tuple, Cast] = {}  # (module, shape, dtype) -> the latest such cast
-        self._module: str | None = None  # the module of the latest cast or GEMM
         self._backward_gemms: dict[tuple[str, int], int] = {}  # (module, autograd node) -> GEMMs seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -209,32 +208,8 @@ class Observation(ModelMode):
         module, _ = self._where()
         if not self.wanted(module):
             return
-        self._running(module)
         source, scaling = self._unscaled(cast_input)
-        cast = Cast(module, cast_input, output, source, scaling, on_gone=self._output_gone)
-        key = (module, cast.shape, cast.dtype)
-        previous, self._latest[key] = self._latest.get(key), cast
-        if previous is not None and previous.output is None:
-            previous.release()
-        self.casts.append(cast)
-        self._links[output] = Dequantization(cast)
-
-    def _output_gone(self, cast: Cast) -> None:
-        """A cast's output is gone: its tensors go too, unless its module's next changed 8-bit
-        data of that shape may still be made from it (`_changed_cast`)."""
-        if self._latest.get((cast.module, cast.shape, cast.dtype)) is not cast:
-            cast.release()
-
-    def _running(self, module: str) -> None:
-        """A cast or GEMM of `module`: other modules' latest casts are no longer what changed
-        8-bit data dequantizes as (that is made by the code that cast, before it moves on)."""
-        if module == self._module:
-            return
-        self._module = module
-        for key in [key for key in self._latest if key[0] != module]:
-            cast = self._latest.pop(key)
-            if cast.output is None:
-                cast.release()
+        self._links[output] = Dequantization(self.casts.add(module, cast_input, output, source, scaling))
 
     def _changed_cast(self, data: Tensor) -> Dequantization | None:
         """8-bit data no observed cast produced, taken as the module's latest cast of that shape
@@ -242,15 +217,7 @@ class Observation(ModelMode):
         integer views): its input and source are that cast's, its values its own."""
         if low_precision_format(data.dtype) is None:
             return None
-        module, _ = self._where()
-        cast = next(
-            (
-                c
-                for c in reversed(self.casts)
-                if c.module == module and c.shape == tuple(data.shape) and c.dtype == data.dtype
-            ),
-            None,
-        )
+        cast = self.casts.latest(self._where()[0], data)
         return None if cast is None else Dequantization(cast.changed(data))
 
     def _dequantizing(self, func: Any, args: Sequence[Any], out: Tensor) -> None:
@@ -348,7 +315,7 @@ class Observation(ModelMode):
         module, backward = self._where()
         if not self.wanted(module):
             return
-        self._running(module)
+        self.casts.running(module)
         gemm, swapped = self._which_gemm(module, backward, a, b)
         quantized = a.scaling is not None or b.scaling is not None
         if quantized:
@@ -417,7 +384,7 @@ class Observation(ModelMode):
         elif operand.cast is not None:
             tensor = operand.cast.source
         else:
-            found = self._cast_of(operand.data)
+            found = self.casts.of(operand.data)
             tensor = found[0].source if found is not None else None
         if tensor is None:
             return False
@@ -425,21 +392,6 @@ class Observation(ModelMode):
             return True
         own = self.live.get(module, {}).get(name)
         return own is not None and tensor.data_ptr() == own.data_ptr() and tensor.numel() == own.numel()
-
-    def _cast_of(self, data: Tensor) -> tuple[Cast, bool] | None:
-        """The latest observed cast whose output is `data` (or its transpose), and whether it is
-        transposed."""
-        bits = data.view(torch.uint8)
-        for cast in reversed(self.casts):
-            out = cast.output
-            if out is None or out.numel() != data.numel() or out.dtype != data.dtype or out.dim() < 2:
-                continue
-            out = out.reshape(-1, out.shape[-1])
-            if out.shape == data.shape and torch.equal(out.view(torch.uint8), bits):
-                return cast, False
-            if out.shape == data.shape[::-1] and torch.equal(out.view(torch.uint8).t(), bits):
-                return cast, True
-        return None
 
     def _describe(
         self, module: str, gemm: str, operand: str, given: GemmOperand, executed_axis: int, fast: bool | None
@@ -460,7 +412,7 @@ class Observation(ModelMode):
             )
             source = source if source is not None else self._live_source(module, operand, data)
         else:
-            found = self._cast_of(given.data)
+            found = self.casts.of(given.data)
             if found is not None:
                 found[0].consumed = True
             source, cast_input = self._source(module, operand, data, found, turn)
@@ -484,7 +436,7 @@ class Observation(ModelMode):
         if found is not None:
             cast, transposed = found
             flip = transposed != turn  # cast orientation -> executed (transposed) -> the suite's (turn)
-        elif live is not None and (by_source := self._cast_from(live)) is not None:
+        elif live is not None and (by_source := self.casts.from_source(live)) is not None:
             cast, flip = by_source
         else:
             return (live if live is not None and live.shape == data.shape else None), None
@@ -496,28 +448,12 @@ class Observation(ModelMode):
         cast_input = as_data[1] if as_data[1] is not None and as_data[1].shape == data.shape else None
         return (source if source is not None and source.shape == data.shape else None), cast_input
 
-    def _cast_from(self, tensor: Tensor) -> tuple[Cast, bool] | None:
-        """The latest cast whose source is `tensor` (same memory, as it or transposed)."""
-        for cast in reversed(self.casts):
-            source = cast.source
-            if source is None or source.numel() != tensor.numel() or source.data_ptr() != tensor.data_ptr():
-                continue
-            shape = source.reshape(-1, source.shape[-1]).shape if source.dim() >= 2 else None
-            if shape == tensor.shape:
-                return cast, False
-            if shape == tensor.shape[::-1]:
-                return cast, True
-        return None
-
     # -- after the step ----------------------------------------------------------------------
     def finish(self) -> StepObservation:
         """The step's observations, its tensors let go; casts no observed GEMM consumed are
         counted per module."""
-        step = StepObservation(self.operands, {cast.module for cast in self.casts})
-        for cast in self.casts:
-            if not cast.consumed:
-                step.unconsumed[cast.module] = step.unconsumed.get(cast.module, 0) + cast.elements
-        self.operands, self.casts, self._quantized, self._latest = [], [], set(), {}
+        step = StepObservation(self.operands, self.casts.modules(), self.casts.unconsumed())
+        self.operands, self.casts, self._quantized = [], StepCasts(), set()
         self._scaled, self._clamped, self._links = (
             WeakIdKeyDictionary(),
             WeakIdKeyDictionary(),
