@@ -525,3 +525,22 @@ def test_a_gemm_within_the_subset_or_with_a_nonfinite_operand_is_measured_whole(
     got = accumulation_error.error_sums_by_mode(a, b, scale_a, scale_b, modes, sampled=True)
     whole = accumulation_error.error_sums_by_mode(a, b, scale_a, scale_b, modes)
     assert all(torch.equal(x, y) for x, y in zip(got, whole)) and float(whole[0][2]) == 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_finite_elements_of_a_float8_tensor_read_from_its_codes_agree_with_its_values(dtype):
+    """The check by codes (the largest magnitude code) against torch's conversion of the values:
+    each of the 256 codes alone, and a tensor of finite codes with one NaN or Inf code planted."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for code in codes:
+        x = code.reshape(1).view(dtype)
+        assert tensor_core.finite_elements(x) == bool(x.float().isfinite().all()), int(code)
+    values = codes.view(dtype).float()
+    finite = codes[values.isfinite()]
+    x = finite[torch.randint(len(finite), (64, 48), generator=torch.Generator().manual_seed(0))]
+    assert tensor_core.finite_elements(x.view(dtype))
+    for code in codes[~values.isfinite()]:
+        planted = x.clone()
+        planted[5, 7] = code
+        assert not tensor_core.finite_elements(planted.view(dtype))
+    assert tensor_core.finite_elements(torch.empty(0, 3, dtype=dtype))

@@ -21,7 +21,7 @@ from precision_suite.numerics.accumulation import (
     scaled_gemm,
     split_dequantized,
 )
-from precision_suite.numerics.tensor_core import gemm_operands
+from precision_suite.numerics.tensor_core import finite_elements, gemm_operands
 
 LAW_KS = tuple(2**i for i in range(7, 14))  # K = 128 ... 8192: the reductions `error_law` measures
 LAW_DATA = ("same-sign", "mixed-sign")
@@ -165,14 +165,8 @@ def error_sums_by_mode(
 
 
 def _finite_operands(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether every element of a and b is finite (float8 codes read through the value table)."""
-
-    def finite(x: torch.Tensor) -> bool:
-        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            x = x.float()
-        return bool(torch.isfinite(x).all())
-
-    return finite(a) and finite(b)
+    """Whether every element of a and b is finite (float8 tensors by their codes)."""
+    return finite_elements(a) and finite_elements(b)
 
 
 def _float64_product(

@@ -26,6 +26,7 @@ against mmaemu (tests/test_accumulation.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -91,6 +92,22 @@ def _look_up(
             )
         _code_tables[key] = values.to(dtype).to(codes.device)
     return _code_tables[key].index_select(0, codes.flatten()).view(codes.shape)
+
+
+@functools.cache
+def _first_nonfinite_magnitude(dtype: torch.dtype) -> int:
+    """The smallest magnitude code (the code without its sign bit) of a float8 dtype that is NaN or
+    Inf: magnitude codes grow with the value, and those of NaN and Inf come last."""
+    magnitudes = torch.arange(128, dtype=torch.uint8).view(dtype).float()
+    return int((~magnitudes.isfinite()).nonzero()[0])
+
+
+def finite_elements(x: torch.Tensor) -> bool:
+    """Whether every element of x is finite: a float8 tensor by the largest of its magnitude codes
+    (a byte sweep, some 100 times faster than converting it to test its values)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.numel() == 0 or int((x.view(torch.uint8) & 0x7F).max()) < _first_nonfinite_magnitude(x.dtype)
+    return bool(torch.isfinite(x).all())
 
 
 def _operand(x: torch.Tensor, element: str | None, name: str) -> FP8Operand:
