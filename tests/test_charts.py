@@ -11,7 +11,7 @@ from precision_suite.reports import canvas, drift_chart, figures
 from precision_suite.verdicts.ensemble.build import make_ensemble
 from precision_suite.verdicts.ensemble.compare import compare_ensemble
 from precision_suite.verdicts.findings import Finding
-from precision_suite.verdicts.rules import check_rules
+from precision_suite.verdicts.rule_check import check_rules
 from precision_suite.verdicts.tolerances import compare, tolerance_band
 from synthetic_data import make_run_dataset
 

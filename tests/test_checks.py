@@ -16,14 +16,8 @@ from precision_suite.training.matrix import KnownViolation
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
 from precision_suite.verdicts.judge import blocks, judge_case, known_violations
 from precision_suite.verdicts.project_config import load_project_config
-from precision_suite.verdicts.rules import (
-    BoundRule,
-    GrowthRule,
-    check_rules,
-    evaluate_expression,
-    parse_rule,
-    parse_rules,
-)
+from precision_suite.verdicts.rule_check import check_rules
+from precision_suite.verdicts.rules import BoundRule, GrowthRule, evaluate_expression, parse_rule, parse_rules
 from synthetic_data import make_run_dataset
 
 REPO_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -299,7 +299,7 @@ def test_nonfinite_inputs_are_counted_not_crashed_on():
 
 
 def test_rules_work_per_module_and_project_rules_skip_what_a_user_model_lacks():
-    from precision_suite.verdicts.rules import check_rules
+    from precision_suite.verdicts.rule_check import check_rules
 
     model = UserModel()
     rec = instrument(model)

@@ -30,7 +30,7 @@ from precision_suite.training.runs import RunSpec, run
 from precision_suite.training.views import module_view
 from precision_suite.verdicts.judge import judge_case
 from precision_suite.verdicts.operand_invariant import check_operands
-from precision_suite.verdicts.rules import check_rules
+from precision_suite.verdicts.rule_check import check_rules
 from test_teeth import wgrad_of_the_unquantized_activation
 
 BLOCK_MODULES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]

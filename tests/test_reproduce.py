@@ -23,7 +23,7 @@ from precision_suite.reports.paper_claims import (
 )
 from precision_suite.reports.reports import markdown_cell
 from precision_suite.training import runs
-from precision_suite.verdicts.rules import run_spec
+from precision_suite.verdicts.rule_check import run_spec
 from synthetic_data import make_run_dataset
 
 N_TOKENS = 196

@@ -11,7 +11,7 @@ import xarray as xr
 from precision_suite.files import load_dataset, safe_filename
 from precision_suite.jobs.usage import UsageError
 from precision_suite.verdicts.baseline_files import spec_differences
-from precision_suite.verdicts.rules import run_spec
+from precision_suite.verdicts.rule_check import run_spec
 from precision_suite.verdicts.stored_replays import REPLAY_FOLDER
 from precision_suite.verdicts.tolerances import DEFAULT_TOLERANCES, resolve_tolerances
 

@@ -18,7 +18,7 @@ from precision_suite.numerics.metric_table import METRICS
 from precision_suite.reports.canvas import X_LABELS, axis_label, new_figure, palette, save_figure
 from precision_suite.verdicts.ensemble.compare import ensemble_band
 from precision_suite.verdicts.findings import severity
-from precision_suite.verdicts.rules import run_spec
+from precision_suite.verdicts.rule_check import run_spec
 from precision_suite.verdicts.tolerances import tolerance_band
 
 MAX_DRIFT_LINES = 6  # layers drawn per drift panel; more would hide each other

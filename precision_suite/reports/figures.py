@@ -23,7 +23,7 @@ from precision_suite.reports.canvas import (
     set_x_axis,
 )
 from precision_suite.training.views import AS_RUN, module_view
-from precision_suite.verdicts.rules import run_spec
+from precision_suite.verdicts.rule_check import run_spec
 
 # figure B panels: (tensor coordinate, layout label, title as in the Ling 2.0 figure)
 QUANT_PANELS = (

@@ -21,7 +21,7 @@ from precision_suite.reports.figures import (
     plot_observed_quant_error,
     plot_quant_error,
 )
-from precision_suite.verdicts.rules import run_spec
+from precision_suite.verdicts.rule_check import run_spec
 
 
 def adopt_charts(out: Path, case: str, paths: Sequence) -> tuple[list[str], list[str]]:

@@ -4,7 +4,7 @@ here, as their use_fast_accum says the H100 runs them)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from torch import Tensor
@@ -13,8 +13,9 @@ from precision_suite.numerics.accumulation import Accumulation
 from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF, error_sums_by_mode
 from precision_suite.numerics.tensor_core import HOPPER_ELEMENTS
 from precision_suite.training.attention_capture import outside_capture
+from precision_suite.training.module_variables import AccumulationSteps
 from precision_suite.training.observation import GemmCall
-from precision_suite.training.observed_operands import low_precision_format
+from precision_suite.training.observed_operands import GEMMS, low_precision_format
 from precision_suite.training.views import ACCUMULATIONS
 
 
@@ -86,3 +87,20 @@ def observed_gemm_errors(into: dict[tuple[str, str], GemmErrors], call: GemmCall
         )
     errors = errors if as_run is not None else [None, *errors]
     add_errors(into, call.module, call.gemm, as_run, call.a.shape[1], errors)
+
+
+def accumulation_steps(
+    steps: Sequence[Mapping[tuple[str, str], GemmErrors]], n_steps: int, where: Mapping[str, int]
+) -> AccumulationSteps:
+    """Each sampled step's (module, gemm) -> GemmErrors as arrays over (step, module, gemm), the
+    modules placed by `where` (name -> index)."""
+    shape = (n_steps, len(where), len(GEMMS))
+    sums = np.zeros((*shape, len(ACCUMULATIONS), len(ERROR_FIELDS)))
+    modes = np.full(shape, "", dtype=object)
+    reductions = np.zeros(shape, dtype=np.int64)
+    gemm_index = {name: i for i, name in enumerate(GEMMS)}
+    for i, step in enumerate(steps):
+        for (module, gemm), errors in step.items():
+            cell = (i, where[module], gemm_index[gemm])
+            sums[cell], modes[cell], reductions[cell] = errors.sums, "|".join(errors.modes), errors.k
+    return AccumulationSteps(sums, modes, reductions)

@@ -5,12 +5,13 @@ as data. `views.run_dataset` assembles them; the module view keeps them as they 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from precision_suite.training.observed_operands import GEMMS
+from precision_suite.numerics.metrics import SUM_FIELDS
+from precision_suite.training.observed_operands import GEMMS, StepObservation
 from precision_suite.training.recipes import GEMM_OPERANDS, Recipe
 
 
@@ -36,6 +37,49 @@ class AccumulationSteps(NamedTuple):
     sums: np.ndarray  # (step, module, gemm, accumulation, accumulation_field) float64: ERROR_FIELDS sums
     modes: np.ndarray  # (step, module, gemm) str: the mode the GEMM ran with, "" where none was recorded
     reductions: np.ndarray  # (step, module, gemm) int64: K, the products summed per output (0: none)
+
+
+def observed_steps(
+    observations: Sequence[StepObservation], n_steps: int, where: Mapping[str, int]
+) -> ObservedSteps:
+    """Each sampled step's observation as arrays over (step, module, operand or GEMM), the modules
+    placed by `where` (name -> index)."""
+    shape = (n_steps, len(where))
+    operand_index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
+    gemm_index = {name: i for i, name in enumerate(GEMMS)}
+    sums = np.zeros((*shape, len(GEMM_OPERANDS), len(SUM_FIELDS)))
+    formats = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+    scales = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+    blocks = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+    gemms = np.zeros((*shape, len(GEMMS)), dtype=np.int64)
+    accumulation = np.full((*shape, len(GEMMS)), "", dtype=object)
+    targets = np.full((*shape, len(GEMM_OPERANDS)), np.nan)
+    shapes = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
+    unconsumed = np.zeros(shape, dtype=np.int64)
+    for i, step in enumerate(observations):
+        for item in step.operands:
+            m, o, g = where[item.module], operand_index[item.operand], gemm_index[item.gemm]
+            if item.stats is not None:
+                sums[i, m, o] += item.stats.sums.double().cpu().numpy()
+            formats[i, m, o] = _joined(formats[i, m, o], item.text)
+            scales[i, m, o] = _joined(scales[i, m, o], item.scale)
+            blocks[i, m, o] = _joined(blocks[i, m, o], item.block)
+            shapes[i, m, o] = _joined(shapes[i, m, o], item.shape)
+            targets[i, m, o] = np.fmax(targets[i, m, o], item.target)  # several GEMMs: the largest
+            if item.operand.endswith(".a") and item.quantized_gemm:  # one GEMM, two operands
+                gemms[i, m, g] += 1
+                if item.fast_accumulation is not None:
+                    mode = "fast" if item.fast_accumulation else "precise"
+                    accumulation[i, m, g] = _joined(accumulation[i, m, g], mode)
+        for module, numel in step.unconsumed.items():
+            unconsumed[i, where[module]] = numel
+    return ObservedSteps(sums, formats, blocks, scales, targets, shapes, gemms, accumulation, unconsumed)
+
+
+def _joined(listed: str, text: str) -> str:
+    """`listed` ("a|b") with `text` added once: a module called twice in a step may quantize twice."""
+    parts = [part for part in listed.split("|") if part]
+    return "|".join(parts if text in parts else [*parts, text])
 
 
 def observed_variables(observed: ObservedSteps) -> dict[str, Any]:

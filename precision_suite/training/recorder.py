@@ -26,14 +26,11 @@ must be zero (verdicts.operand_invariant.check_operands). Modules no recipe quan
 (``operand_numel`` 0).
 
 Accumulation error: on a sampled step, each GEMM that accumulates as an H100's FP8 tensor cores
-do, a recipe's GEMM whose ``accumulate`` is a hopper mode (``quant_linear.add_gemm_observer``: its
-operands and its result) or a scaled GEMM of the model's own code (its ``use_fast_accum``
-selecting the mode), is measured
-against the float64 product of the same quantized operands, as it ran and under each mode of
-``accumulation_error.WHAT_IF`` (``accumulation_sums``, docs/runs.md), on a fixed subset of its outputs
-(``accumulation_error.output_subset``: at most 128 rows x 128 columns, the same in every run of the
-shape; the sums scaled to the whole output's). GEMMs that accumulate in float32
-record nothing, so runs without such GEMMs have none of these variables.
+do (a recipe's GEMM whose ``accumulate`` is a hopper mode, or a scaled GEMM of the model's own code,
+its ``use_fast_accum`` selecting the mode) is measured against the float64 product of the same
+quantized operands, as it ran and under each mode of ``accumulation_error.WHAT_IF``, on a fixed
+subset of its outputs (training/gemm_errors.py; docs/runs.md). GEMMs that accumulate in float32
+record nothing.
 
 Attention (``attention="auto"``): a module with an ``attention_tap`` attribute (the explicit hook,
 for custom kernels; the built-in models have one) is handed phi(S) directly. Elsewhere, calls to
@@ -57,16 +54,20 @@ import numpy as np
 import xarray as xr
 from torch import Tensor, nn
 
-from precision_suite.numerics.accumulation_error import ERROR_FIELDS, WHAT_IF
+from precision_suite.numerics.accumulation_error import WHAT_IF
 from precision_suite.numerics.metrics import SUM_FIELDS, QuantStats, quant_stats
 from precision_suite.training.attention_capture import AttentionCapture, attention_norm, outside_capture
-from precision_suite.training.gemm_errors import GemmErrors, add_errors, observed_gemm_errors
+from precision_suite.training.gemm_errors import (
+    GemmErrors,
+    accumulation_steps,
+    add_errors,
+    observed_gemm_errors,
+)
 from precision_suite.training.linear_modules import WeightReader, module_filter, select_gemms
 from precision_suite.training.model_modes import sequence_number, tag_nodes
-from precision_suite.training.module_variables import AccumulationSteps, ObservedSteps
+from precision_suite.training.module_variables import observed_steps
 from precision_suite.training.observation import Observation
 from precision_suite.training.observed_operands import (
-    GEMMS,
     StepObservation,
     describe_observation,
 )
@@ -85,8 +86,8 @@ from precision_suite.training.quant_linear import (
     layer_recipe,
     reduction_length,
 )
-from precision_suite.training.recipes import GEMM_OPERANDS, Operand, Recipe
-from precision_suite.training.views import ACCUMULATIONS, OperandCounts, run_dataset
+from precision_suite.training.recipes import Operand, Recipe
+from precision_suite.training.views import operand_counts, run_dataset
 
 ATTENTION_MODES = ("auto", None)
 
@@ -418,10 +419,14 @@ class Recorder:
                 norms[i, attention_index[name]] = float(np.mean(values))
         first_labels = [self.schemes[0].role_labels()[role] for role in TENSOR_ROLES]
         attrs = {**({"N": self.tokens} if self.tokens else {}), **(attrs or {})}
-        observed = self._observed_steps(where) if observed_modules else None
+        observed = observed_steps(self._observed, len(self.steps), where) if observed_modules else None
         if observed is not None:
             attrs = {"quantized_by": describe_observation(self._observed, self.model), **attrs}
-        accumulation = self._accumulation_steps(where) if any(self._accumulation) else None
+        accumulation = (
+            accumulation_steps(self._accumulation, len(self.steps), where)
+            if any(self._accumulation)
+            else None
+        )
         # the suite's recipe each module trained with (the observed-only modules had none)
         recipes = [layer_recipe(self.gemms[name][0]) if name in self.gemms else None for name in modules]
         return run_dataset(
@@ -434,65 +439,11 @@ class Recorder:
             first_labels,
             case,
             attrs,
-            operands=self._operand_counts(where),
+            operands=operand_counts(self._operands, self._declared, len(self.steps), where),
             observed=observed,
             accumulation=accumulation,
             recipes=recipes,
         )
-
-    def _accumulation_steps(self, where: Mapping[str, int]) -> AccumulationSteps:
-        shape = (len(self.steps), len(where), len(GEMMS))
-        sums = np.zeros((*shape, len(ACCUMULATIONS), len(ERROR_FIELDS)))
-        modes = np.full(shape, "", dtype=object)
-        reductions = np.zeros(shape, dtype=np.int64)
-        gemm_index = {name: i for i, name in enumerate(GEMMS)}
-        for i, step in enumerate(self._accumulation):
-            for (module, gemm), errors in step.items():
-                cell = (i, where[module], gemm_index[gemm])
-                sums[cell], modes[cell], reductions[cell] = errors.sums, "|".join(errors.modes), errors.k
-        return AccumulationSteps(sums, modes, reductions)
-
-    def _observed_steps(self, where: Mapping[str, int]) -> ObservedSteps:
-        """The observations as arrays over (step, module, operand or GEMM)."""
-        shape = (len(self.steps), len(where))
-        operand_index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
-        gemm_index = {name: i for i, name in enumerate(GEMMS)}
-        sums = np.zeros((*shape, len(GEMM_OPERANDS), len(SUM_FIELDS)))
-        formats = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
-        scales = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
-        blocks = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
-        gemms = np.zeros((*shape, len(GEMMS)), dtype=np.int64)
-        accumulation = np.full((*shape, len(GEMMS)), "", dtype=object)
-        targets = np.full((*shape, len(GEMM_OPERANDS)), np.nan)
-        shapes = np.full((*shape, len(GEMM_OPERANDS)), "", dtype=object)
-        unconsumed = np.zeros(shape, dtype=np.int64)
-        for i, step in enumerate(self._observed):
-            for item in step.operands:
-                m, o, g = where[item.module], operand_index[item.operand], gemm_index[item.gemm]
-                if item.stats is not None:
-                    sums[i, m, o] += item.stats.sums.double().cpu().numpy()
-                formats[i, m, o] = _joined(formats[i, m, o], item.text)
-                scales[i, m, o] = _joined(scales[i, m, o], item.scale)
-                blocks[i, m, o] = _joined(blocks[i, m, o], item.block)
-                shapes[i, m, o] = _joined(shapes[i, m, o], item.shape)
-                targets[i, m, o] = np.fmax(targets[i, m, o], item.target)  # several GEMMs: the largest
-                if item.operand.endswith(".a") and item.quantized_gemm:  # one GEMM, two operands
-                    gemms[i, m, g] += 1
-                    if item.fast_accumulation is not None:
-                        mode = "fast" if item.fast_accumulation else "precise"
-                        accumulation[i, m, g] = _joined(accumulation[i, m, g], mode)
-            for module, numel in step.unconsumed.items():
-                unconsumed[i, where[module]] = numel
-        return ObservedSteps(sums, formats, blocks, scales, targets, shapes, gemms, accumulation, unconsumed)
-
-    def _operand_counts(self, where: Mapping[str, int]) -> OperandCounts:
-        counts = np.zeros((len(self.steps), len(where), len(GEMM_OPERANDS), 2), dtype=np.int64)
-        index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
-        for i, step_counts in enumerate(self._operands):
-            for (module, operand), (mismatched, numel) in step_counts.items():
-                counts[i, where[module], index[operand]] = int(mismatched), numel
-        declared = ["|".join(self._declared.get(name, ())) for name in GEMM_OPERANDS]
-        return OperandCounts(GEMM_OPERANDS, counts[..., 0], counts[..., 1], declared)
 
     def remove(self) -> None:
         """Detach everything (a sampled step in progress is abandoned)."""
@@ -503,9 +454,3 @@ class Recorder:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def _joined(listed: str, text: str) -> str:
-    """`listed` ("a|b") with `text` added once: a module called twice in a step may quantize twice."""
-    parts = [part for part in listed.split("|") if part]
-    return "|".join(parts if text in parts else [*parts, text])

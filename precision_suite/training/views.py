@@ -66,6 +66,24 @@ class OperandCounts(NamedTuple):
     declared: Sequence[str]  # per operand, the declared Operand.text() ("" where none was seen)
 
 
+def operand_counts(
+    steps: Sequence[Mapping[tuple[str, str], tuple[object, int]]],
+    declared: Mapping[str, Mapping[str, None]],
+    n_steps: int,
+    where: Mapping[str, int],
+) -> OperandCounts:
+    """Each sampled step's (module, operand) -> (elements mismatched, elements compared) as arrays
+    over (step, module, operand), the modules placed by `where`; `declared`: operand -> the
+    Operand.text()s it was declared as."""
+    counts = np.zeros((n_steps, len(where), len(GEMM_OPERANDS), 2), dtype=np.int64)
+    index = {name: i for i, name in enumerate(GEMM_OPERANDS)}
+    for i, step_counts in enumerate(steps):
+        for (module, operand), (mismatched, numel) in step_counts.items():
+            counts[i, where[module], index[operand]] = int(mismatched), numel
+    texts = ["|".join(declared.get(name, ())) for name in GEMM_OPERANDS]
+    return OperandCounts(GEMM_OPERANDS, counts[..., 0], counts[..., 1], texts)
+
+
 def layer_index(name: str) -> int:
     """The block index in a module name: its first integer part ('blocks.3.attn.qkv' -> 3,
     'model.layers.11.mlp.up_proj' -> 11); -1 outside any block ('head', 'embed')."""

@@ -26,7 +26,8 @@ from precision_suite.verdicts import observed
 from precision_suite.verdicts.ensemble.compare import compare_ensemble
 from precision_suite.verdicts.findings import CaseVerdict, Finding, verdict
 from precision_suite.verdicts.operand_invariant import check_operands
-from precision_suite.verdicts.rules import check_rules, parse_rule
+from precision_suite.verdicts.rule_check import check_rules
+from precision_suite.verdicts.rules import parse_rule
 from precision_suite.verdicts.stored_replays import compare_replay, mark_replayed
 from precision_suite.verdicts.tolerances import compare as compare_single_run
 
