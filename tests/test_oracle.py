@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from precision_suite import quantize
 from precision_suite.numerics import strategies as pst
+from precision_suite.numerics.code_tables import codes
 from precision_suite.numerics.formats import BF16, E2M1, E4M3, E5M2, ElementType, Format
 from precision_suite.numerics.quantization import round_by_bits, round_to_element
-from precision_suite.training.observed_operands import codes
 
 F32 = np.float32
 FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (ml_dtypes.float8_e5m2, 57344.0)}
@@ -239,7 +239,7 @@ def test_amax_block_scales_are_float32_quotients_rounded_as_ieee_division(fmt):
     ids=str,
 )
 def test_the_code_tables_of_the_observation_round_like_ml_dtypes(torch_dtype, dtype):
-    """The tables the observation checks a model's own casts with (observed_operands.codes): each
+    """The tables the observation checks a model's own casts with (numerics.code_tables.codes): each
     code's value is ml_dtypes', and the float32 values whose interval holds a code are exactly those
     ml_dtypes' round-to-nearest-even (saturating at +-max) maps to that code's value: every grid
     value, midpoint and neighbour, 2**16 random float32 bit patterns, values past the max."""

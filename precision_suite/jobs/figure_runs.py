@@ -16,7 +16,8 @@ from precision_suite.jobs.execution import Task, run_tasks
 from precision_suite.jobs.train import placement, train_all
 from precision_suite.jobs.usage import EXIT_OK, UsageError
 from precision_suite.reports.figure_names import check_figure
-from precision_suite.reports.paper_claims import FIGURE_A_VARIANTS, Reproduction, write_reproduction
+from precision_suite.reports.paper_claims import FIGURE_A_VARIANTS
+from precision_suite.reports.reproduction import Reproduction, write_reproduction
 from precision_suite.training.runs import RunSpec
 
 # figure A: a 4-block GPT, N = 196 tokens per sequence (reports/paper_claims.py says why)

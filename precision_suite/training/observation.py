@@ -33,7 +33,7 @@ or matched by value) and the scaling ops before that cast (``x * s``, ``x / d``,
 linear-like module, as the module's own input, weight or output gradient (``Observation.live``).
 Not seen: kernels compiled by ``torch.compile`` or written in C++/CUDA extensions whose casts do not
 go through ATen ops (Transformer Engine), GEMMs on tensor subclasses other than torchao's
-float8 training tensor (``SUBCLASS_OPERANDS`` lists what is known), and dequantizations through
+float8 training tensor (``subclass_operands.SUBCLASS_OPERANDS`` lists what is known), and dequantizations through
 ops the chain does not follow (indexing, concatenation, a scale applied twice): such a GEMM is not
 described and its casts count as unconsumed.
 """
@@ -66,6 +66,12 @@ from precision_suite.training.observed_operands import (
     describe_operand,
     low_precision_format,
 )
+from precision_suite.training.subclass_operands import (
+    TORCHAO_GEMM_CONFIG,
+    TORCHAO_GEMMS,
+    TORCHAO_SIDES,
+    subclass_reader,
+)
 
 aten = torch.ops.aten
 
@@ -95,39 +101,6 @@ class GemmCall:
     b: Tensor
     scale_b: Tensor
     fast_accumulation: bool | None  # the call's use_fast_accum, None where it does not say
-
-
-def _torchao_operand(tensor: Tensor) -> GemmOperand:
-    """torchao.float8's Float8TrainingTensor: `_data` = x * `_scale`, its role and GEMM configs."""
-    role = str(getattr(tensor, "_gemm_input_role", "")).rsplit(".", 1)[-1].lower() or None
-    return GemmOperand(tensor._data, Scaling("mul", tensor._scale), role)
-
-
-# tensor subclasses whose GEMMs are scaled GEMMs, by class (matched by name: torchao need not be
-# installed) -> how to read one as a GEMM operand
-SUBCLASS_OPERANDS: dict[str, Callable[[Tensor], GemmOperand]] = {
-    "torchao.float8.float8_training_tensor.Float8TrainingTensor": _torchao_operand,
-}
-# torchao's GemmInputRole of each operand: which GEMM a pair of roles is
-_TORCHAO_GEMMS = {
-    frozenset({"input", "weight"}): "fprop",
-    frozenset({"grad_output", "weight"}): "dgrad",
-    frozenset({"grad_output", "input"}): "wgrad",
-}
-_TORCHAO_SIDES = {
-    "fprop": ("input", "weight"),
-    "dgrad": ("grad_output", "weight"),
-    "wgrad": ("grad_output", "input"),
-}
-_TORCHAO_GEMM_CONFIG = {"fprop": "output", "dgrad": "grad_input", "wgrad": "grad_weight"}
-
-
-def _subclass_reader(tensor: object) -> Callable[[Tensor], GemmOperand] | None:
-    for cls in type(tensor).__mro__:
-        reader = SUBCLASS_OPERANDS.get(f"{cls.__module__}.{cls.__qualname__}")
-        if reader is not None:
-            return reader
-    return None
 
 
 class Observation(ModelMode):
@@ -189,7 +162,7 @@ class Observation(ModelMode):
         elif func is aten._scaled_mm.default:
             self._scaled_mm(*args, **kwargs)
         elif func in MATRIX_PRODUCTS:
-            readers = [_subclass_reader(arg) for arg in args[-2:]]
+            readers = [subclass_reader(arg) for arg in args[-2:]]
             if all(reader is not None for reader in readers):
                 self._subclass_gemm(func, args)
             elif not any(readers):
@@ -298,15 +271,15 @@ class Observation(ModelMode):
 
     def _subclass_gemm(self, func: Any, args: Sequence[Any]) -> None:
         pair = [arg for arg in args[-2:]]  # mm(a, b), addmm(bias, a, b), bmm(a, b)
-        readers = [_subclass_reader(arg) for arg in pair]
+        readers = [subclass_reader(arg) for arg in pair]
         if any(reader is None for reader in readers) or func is aten.bmm.default:
             return
         a, b = (reader(arg) for reader, arg in zip(readers, pair))
         fast = None
         config = getattr(pair[0], "_linear_mm_config", None)
-        gemm = _TORCHAO_GEMMS.get(frozenset({a.role, b.role}))
+        gemm = TORCHAO_GEMMS.get(frozenset({a.role, b.role}))
         if config is not None and gemm is not None:
-            fast = bool(getattr(getattr(config, _TORCHAO_GEMM_CONFIG[gemm]), "use_fast_accum", False))
+            fast = bool(getattr(getattr(config, TORCHAO_GEMM_CONFIG[gemm]), "use_fast_accum", False))
         self._gemm(a, b, fast)
 
     def _gemm(self, a: GemmOperand, b: GemmOperand, fast: bool | None) -> None:
@@ -354,9 +327,9 @@ class Observation(ModelMode):
         weight transposed; else the first GEMM a backward node runs for the module is dgrad, the
         second wgrad."""
         roles = frozenset({a.role, b.role})
-        if roles in _TORCHAO_GEMMS:
-            gemm = _TORCHAO_GEMMS[roles]
-            return gemm, a.role != _TORCHAO_SIDES[gemm][0]
+        if roles in TORCHAO_GEMMS:
+            gemm = TORCHAO_GEMMS[roles]
+            return gemm, a.role != TORCHAO_SIDES[gemm][0]
         weight_side = [self._is_tensor(module, operand, "weight") for operand in (a, b)]
         if not backward:
             return "fprop", weight_side[0] and not weight_side[1]
