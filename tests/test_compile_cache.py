@@ -21,8 +21,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
-from precision_suite import KEYED_BY_US, use_project_cache
+from precision_suite import KEYED_BY_US, quantize, use_project_cache
+from precision_suite.numerics.accumulation import accumulate
 from precision_suite.numerics.kernel_cache import compile_environment, keyed_cache_dir
+from test_accumulation import fp8_operand
 from test_oracle import _assert_bits_equal, _ours, _wide, oracle_fp8
 
 SHAPE_A, SHAPE_B = (256, 384), (384, 640)  # both above quantization.COMPILE_MIN_NUMEL
@@ -48,6 +50,31 @@ def test_a_cached_kernel_is_served_only_to_its_own_format_and_shape(tmp_path):
         )  # shape B, kernel of A
         assert counters["inductor"]["fxgraph_cache_hit"] == 2
     torch._dynamo.reset()  # later tests compile against the normal cache again
+
+
+@pytest.mark.slow
+def test_the_compiled_kernels_serve_forward_and_backward_with_one_graph(monkeypatch):
+    """Forward hooks quantize and accumulate with grad on, gradient hooks with grad off; dynamo
+    guards on grad mode, so a kernel whose inputs need no grad must be called in one mode or each
+    process compiles every graph twice."""
+    monkeypatch.setenv("PRECISION_SUITE_COMPILE", "1")
+    x = torch.from_numpy(_wide(0, SHAPE_A))
+    a, w = fp8_operand("normal", 64, 4096, "e4m3", 5), fp8_operand("normal", 64, 4096, "e4m3", 6)
+
+    def quantize_and_accumulate() -> None:
+        quantize(x, "e4m3", (1, 128))
+        accumulate(a, w.t(), "hopper-promoted")
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.enable_grad():
+        quantize_and_accumulate()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2, "nothing was compiled: nothing was tested"
+    with torch.no_grad():
+        quantize_and_accumulate()
+    assert counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
 
 
 def test_the_cache_lives_in_the_project_cache_dir_unless_inductor_is_told_where(tmp_path, monkeypatch):
@@ -108,7 +135,6 @@ def quantize_in_process(cache_root: Path, capability: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.slow
 def cache_dir_of_a_child(**env: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", "import os, precision_suite; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
@@ -130,6 +156,7 @@ def test_a_process_started_from_this_one_keys_its_own_cache_folder():
     assert cache_dir_of_a_child(TORCHINDUCTOR_CACHE_DIR="/users/own") == "/users/own"
 
 
+@pytest.mark.slow
 def test_a_cache_filled_under_one_cpu_capability_serves_another_nothing(tmp_path):
     # a kernel cached under AVX-512 and served to an avx2 process trained a GPT to NaN
     native = quantize_in_process(tmp_path, "native")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -301,7 +301,10 @@ def fused(
         for dim in (0, 1, 2, 3) if layout == "tensor" else (0, 2):  # all but a block's fixed shape
             torch._dynamo.maybe_mark_dynamic(blocks, dim)
         try:
-            return _compiled[key](blocks)
+            # dynamo guards on grad mode: forward hooks run with grad, gradient hooks without it,
+            # and both would compile a graph of their own for inputs that need no grad
+            with nullcontext() if blocks.requires_grad else torch.no_grad():
+                return _compiled[key](blocks)
         except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo
             raise
         except Exception as err:  # e.g. no C++ compiler for inductor

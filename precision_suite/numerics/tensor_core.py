@@ -257,7 +257,8 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
                 if size != GROUP:
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
-            return compiled(*tensors)
+            with torch.no_grad():  # one graph whichever grad mode the hook calling it runs in
+                return compiled(*tensors)
         except Exception as err:  # e.g. no C++ compiler for inductor: eager gives the same bits
             quantization.give_up_compiling(err)
             return eager(*tensors)
