@@ -1,6 +1,6 @@
 """A prepared check of the CUDA path: prove it, measure it, bring the figures back (issue 25).
 
-    python benchmarks/gpu_check.py --out DIR [--tiny] [--device auto|cuda|cpu]
+    python benchmarks/gpu_check.py --out DIR [--tiny] [--device auto|cuda|cpu] [--timeout-scale F]
     make gpu-check                      # the same with the current python3 (PYTHON=... to choose)
 
 On the GPU machine, through the device tool (it runs in the repository root of a copy of the
@@ -74,7 +74,7 @@ PART_TIMEOUT_S = {
 }
 # the user model's size (benchmarks/user_models.py) and the sample_every values of the user_cost part
 USER_COST = {"size": "20M", "steps": 8, "sample_every": (2, 10)}
-USER_COST_TINY = {"size": "2M", "steps": 4, "sample_every": (2,)}
+USER_COST_TINY = {"size": "0.1M", "steps": 4, "sample_every": (2,)}
 # the quickest case of the quick matrix (13 s of training on host A): what --tiny judges
 TINY_CASE = "vit-x-1-fp32"
 # quantization cases: (format, layout); element casts use a format of their own (see below)
@@ -906,6 +906,13 @@ def main() -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and .md")
     parser.add_argument("--tiny", action="store_true", help="small sizes: about a minute on 2 CPU cores")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        help="multiply every part's timeout and the whole budget (the defaults fit a device's lease; "
+        "a test on a loaded CPU host needs more)",
+    )
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # a child's one part
     args = parser.parse_args()
     out = args.out.resolve()
@@ -914,8 +921,11 @@ def main() -> int:
         return 0
     (out / "parts").mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    deadline = start + TOTAL_BUDGET_S
-    env = run_part("environment", Context(out, "cpu", args.tiny), PART_TIMEOUT_S["environment"])
+    if not args.timeout_scale > 0:
+        parser.error(f"--timeout-scale must be a positive number, got {args.timeout_scale}")
+    timeouts = {name: seconds * args.timeout_scale for name, seconds in PART_TIMEOUT_S.items()}
+    deadline = start + TOTAL_BUDGET_S * args.timeout_scale
+    env = run_part("environment", Context(out, "cpu", args.tiny), timeouts["environment"])
     figures = env["figures"]
     for problem in (
         [f"import precision_suite fails: {figures['import_error']}"] if "import_error" in figures else []
@@ -929,7 +939,7 @@ def main() -> int:
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     ctx = Context(out, device, args.tiny)
     parts = [env] + [
-        run_part(name, ctx, min(PART_TIMEOUT_S[name], deadline - time.perf_counter()))
+        run_part(name, ctx, min(timeouts[name], deadline - time.perf_counter()))
         for name in PARTS
         if name != "environment"
     ]

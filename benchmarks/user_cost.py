@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SIZES = {"2M": 256, "20M": 512, "100M": 1024}  # the Llama's width (user_models.SIZES)
+SIZES = {"0.1M": 64, "2M": 256, "20M": 512, "100M": 1024}  # the Llama's width (user_models.SIZES)
 BATCH = 4
 CASE = """[[case]]
 name = "llama-fp8-{size}-every-{sample_every}"

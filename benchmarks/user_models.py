@@ -5,7 +5,9 @@
 
 Sizes (``SIZES``, chosen by the case's ``width``): 512 is the 17.3M-parameter model of issue 39
 (4 layers, 8 heads, vocabulary 512, intermediate 1376), 1024 a 101M-parameter one (8 layers,
-16 heads, intermediate 2752), 256 a 2M-parameter one for quick checks.
+16 heads, intermediate 2752), 256 a 2M-parameter one for quick checks, 64 a 0.1M-parameter one for
+the GPU check's --tiny (a CPU whose oneDNN takes its reference kernel for float8 GEMMs, as an AMX
+Xeon's does, needs 0.6 s for one 256-wide `torch._scaled_mm`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 SEQ_LEN = 128
 VOCAB = 512
 # width -> (layers, heads, intermediate)
-SIZES = {256: (2, 4, 688), 512: (4, 8, 1376), 1024: (8, 16, 2752)}
+SIZES = {64: (1, 2, 172), 256: (2, 4, 688), 512: (4, 8, 1376), 1024: (8, 16, 2752)}
 
 
 def llama_config(width: int = 512):
