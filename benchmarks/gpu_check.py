@@ -915,14 +915,14 @@ def main() -> int:
     )
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # a child's one part
     args = parser.parse_args()
+    if not args.timeout_scale > 0:
+        parser.error(f"--timeout-scale must be a positive number, got {args.timeout_scale}")
     out = args.out.resolve()
     if args.part:
         run_part_here(args.part, Context(out, args.device, args.tiny))
         return 0
     (out / "parts").mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if not args.timeout_scale > 0:
-        parser.error(f"--timeout-scale must be a positive number, got {args.timeout_scale}")
     timeouts = {name: seconds * args.timeout_scale for name, seconds in PART_TIMEOUT_S.items()}
     deadline = start + TOTAL_BUDGET_S * args.timeout_scale
     env = run_part("environment", Context(out, "cpu", args.tiny), timeouts["environment"])

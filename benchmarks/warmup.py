@@ -1,6 +1,6 @@
 """Warm-up tax: how much longer a fresh process's first quant_error call takes than its steady state.
 
-    python benchmarks/warmup.py [--cold] [--formats e4m3,nvfp4] [--small-runs]
+    python benchmarks/warmup.py [--cold] [--formats e4m3,nvfp4] [--small-runs] [--grad-modes]
 
 For each format and orientation a new Python process times three calls of quant_error on a
 4096 x 4096 float32 tensor, compiled (the default) and eager (PRECISION_SUITE_COMPILE=0). The tax
@@ -13,6 +13,10 @@ holds, as every later run does.
 --small-runs then times a small run in a fresh process per recipe (a 2-layer GPT, 5 steps, probes
 every step: a test's or a user's first try), as a run decides by itself (too small: eager) and
 with PRECISION_SUITE_COMPILE=1 (compiled anyway, what every run did before runs decided).
+
+--grad-modes then times, in a fresh process, what a sampled step's hooks first call: two
+quantizers and the promoted accumulation chain with grad on (forward hooks), then with grad off
+(gradient hooks), and prints the graphs dynamo compiled or loaded (both modes share each one).
 """
 
 from __future__ import annotations
@@ -56,6 +60,22 @@ run(spec)
 print(json.dumps(time.perf_counter() - start))
 """
 SMALL_RUN_RECIPES = ("fp8-block", "mxfp8", "nvfp4")
+GRAD_MODES = """
+import json, os, time
+os.environ["PRECISION_SUITE_COMPILE"] = "1"
+import torch
+from torch._dynamo.utils import counters
+from precision_suite import quantize
+from precision_suite.numerics.accumulation import accumulate
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 384, generator=g)
+a, w = (torch.randn(64, 4096, generator=g).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(2))
+start = time.perf_counter()
+for grad in (True, False):
+    with torch.set_grad_enabled(grad):
+        quantize(x, "e4m3", (1, 128)), quantize(x, "e5m2", (1, 128)), accumulate(a, w.t(), "hopper-promoted")
+print(json.dumps([counters["stats"]["unique_graphs"], time.perf_counter() - start]))
+"""
 
 
 def child_output(code: str, args: list[str], env: dict[str, str]) -> object:
@@ -71,6 +91,11 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="start from an empty inductor cache")
     parser.add_argument("--formats", help="comma-separated subset, e.g. e4m3,nvfp4")
     parser.add_argument("--small-runs", action="store_true", help="also time a small run per recipe")
+    parser.add_argument(
+        "--grad-modes",
+        action="store_true",
+        help="also time the first calls of a step's hooks in both grad modes",
+    )
     args = parser.parse_args()
     cases = [c for c in CASES if not args.formats or c[0] in args.formats.split(",")]
     env = dict(os.environ)
@@ -95,6 +120,9 @@ def main() -> None:
             decided = child_output(SMALL_RUN, [recipe], env)
             compiled = child_output(SMALL_RUN, [recipe], {**env, "PRECISION_SUITE_COMPILE": "1"})
             print(f"{recipe:24s} {decided:10.1f}s {compiled:8.1f}s", flush=True)
+    if args.grad_modes:
+        graphs, seconds = child_output(GRAD_MODES, [], env)
+        print(f"\nfirst calls in both grad modes: {seconds:.2f} s, {graphs} graphs", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ PARTS = ["environment", "quantization", "gemm", "accumulation", "speed", "quick_
 def test_tiny_gpu_check_on_cpu(tmp_path):
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--tiny", "--device", "cpu"]
     proc = subprocess.run(
-        # the timeouts fit a device's lease; here they would make the test a wall-time assertion on
-        # a loaded 2-core host (the user_cost part timed out at 90 s beside the suite's other tests)
+        # the timeouts fit a device's lease; on a CPU host they would make the test a wall-time
+        # assertion (an AMX Xeon's float8 GEMMs run oneDNN's reference kernel: user_cost timed out)
         [*command, "--timeout-scale", "10"],
         capture_output=True,
         text=True,

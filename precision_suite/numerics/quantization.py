@@ -259,6 +259,19 @@ def inductor_backend(tag: str, options: dict[str, object] | None = None) -> Call
     return backend
 
 
+def compiled(fn: Callable, tag: str, options: dict[str, object] | None = None) -> Callable:
+    """`fn` through torch.compile on `inductor_backend(tag, options)`, called without grad unless an
+    input needs it: dynamo guards on grad mode, and forward hooks (grad on) and gradient hooks (grad
+    off) would otherwise each compile, or load from the disk cache, a graph of their own."""
+    graph = torch.compile(fn, dynamic=False, backend=inductor_backend(tag, options))
+
+    def call(*tensors: torch.Tensor):
+        with nullcontext() if any(t.requires_grad for t in tensors) else torch.no_grad():
+            return graph(*tensors)
+
+    return call
+
+
 def _compile(
     fn: Callable[[torch.Tensor, Format, bool], T], fmt: Format, layout: Layout, pow2_scale: bool
 ) -> Callable:
@@ -272,7 +285,7 @@ def _compile(
     # also turn a format's constants into runtime inputs once a closure at this source line had
     # seen another format, and such kernels run at half the speed.
     tag = f"precision_suite {fn.__qualname__} {fmt!r} {layout} pow2_scale={pow2_scale}"
-    return torch.compile(fused_blocks, dynamic=False, backend=inductor_backend(tag))
+    return compiled(fused_blocks, tag)
 
 
 def fused(
@@ -301,10 +314,7 @@ def fused(
         for dim in (0, 1, 2, 3) if layout == "tensor" else (0, 2):  # all but a block's fixed shape
             torch._dynamo.maybe_mark_dynamic(blocks, dim)
         try:
-            # dynamo guards on grad mode: forward hooks run with grad, gradient hooks without it,
-            # and both would compile a graph of their own for inputs that need no grad
-            with nullcontext() if blocks.requires_grad else torch.no_grad():
-                return _compiled[key](blocks)
+            return _compiled[key](blocks)
         except (ValueError, TypeError):  # our own bad-input errors, raised through dynamo
             raise
         except Exception as err:  # e.g. no C++ compiler for inductor

@@ -240,10 +240,7 @@ def _steps(products: int) -> tuple[Callable, Callable] | None:
             tag = f"precision_suite accumulation {fn.__qualname__}"
             # inductor's defaults: the quantizer's options would recompute the alignment's bit
             # arithmetic inside the group's reduction loop instead of reading it once
-            compiled = torch.compile(
-                fn, dynamic=False, backend=quantization.inductor_backend(tag, options={})
-            )
-            _compiled_steps.append(_with_dynamic_sizes(compiled, fn))
+            _compiled_steps.append(_with_dynamic_sizes(quantization.compiled(fn, tag, options={}), fn))
     return _compiled_steps[0], _compiled_steps[1]
 
 
@@ -257,8 +254,7 @@ def _with_dynamic_sizes(compiled: Callable, eager: Callable) -> Callable:
                 if size != GROUP:
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
         try:
-            with torch.no_grad():  # one graph whichever grad mode the hook calling it runs in
-                return compiled(*tensors)
+            return compiled(*tensors)
         except Exception as err:  # e.g. no C++ compiler for inductor: eager gives the same bits
             quantization.give_up_compiling(err)
             return eager(*tensors)
